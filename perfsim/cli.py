@@ -1,0 +1,154 @@
+"""The `perfsim` command line (shared/DESIGN.md). Only argument handling and output live here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from perfsim.errors import PerfsimError
+
+# `perfsim predict` with no flags: the SMNG-P2 authors' 175B run (shared/reference/published.md).
+BUILTIN_CASE = {"model": "gpt3-175b", "system": "smng-p2", "nodes": 16,
+                "plan": {"tp": 8, "pp": 16, "mbs": 3, "gbs": 300, "zero": 1, "recompute": "full"}}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2, no usage dump
+        raise PerfsimError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    return value
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("plan (left out: the built-in case's plan if no model, system or device "
+                             "count is given, else no parallelism, micro-batch 1, one micro-batch per replica)")
+    g.add_argument("--tp", type=_positive, help="tensor-parallel size")
+    g.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
+    g.add_argument("--tp-depth", dest="tp_depth", type=_positive, help="depth d of 2.5d tensor parallelism")
+    g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (1d only)")
+    g.add_argument("--pp", type=_positive, help="pipeline stages")
+    g.add_argument("--vpp", type=_positive, help="interleaved chunks per device (implies --schedule interleaved)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
+    g.add_argument("--dp", type=_positive, help="data-parallel size (default: devices / (tp x pp))")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    g.add_argument("--mbs", type=_positive, help="micro-batch size (sequences)")
+    g.add_argument("--gbs", type=_positive, help="global batch size (sequences)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"))
+    g.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
+
+
+PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order")
+
+
+def build_case(args):
+    """(model, system, plan) from parsed flags, applying the documented defaults."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from perfsim.spec.system import load_system
+
+    builtin = args.model is None and args.system is None and args.nodes is None and args.devices is None
+    model = load_model(args.model or BUILTIN_CASE["model"])
+    system = load_system(args.system or BUILTIN_CASE["system"])
+    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    fields = dict(BUILTIN_CASE["plan"]) if builtin else {}
+    fields.update(given)
+    if builtin:
+        args.nodes = BUILTIN_CASE["nodes"]
+    tp, pp = fields.get("tp", 1), fields.get("pp", 1)
+    if args.nodes is not None:
+        devices = args.nodes * system.node.devices_per_node
+    elif args.devices is not None:
+        devices = args.devices
+    else:
+        devices = tp * pp * fields.get("dp", 1)
+    if "dp" not in fields:
+        if devices % (tp * pp):
+            raise PerfsimError(f"{devices} devices is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or the device count")
+        fields["dp"] = devices // (tp * pp)
+    fields.setdefault("gbs", fields.get("mbs", 1) * fields["dp"])
+    if fields.get("vpp", 1) > 1:
+        fields.setdefault("schedule", "interleaved")
+    plan = Plan(**fields)
+    if plan.devices != devices:
+        raise PerfsimError(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the "
+                           f"{devices} devices; leave --dp out to derive it")
+    return model, system, plan
+
+
+def cmd_predict(args) -> None:
+    from perfsim.predict import predict
+
+    model, system, plan = build_case(args)
+    result = predict(model, system, plan, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(result.as_json(), indent=2))
+    else:
+        from perfsim.report import format_prediction
+
+        print(format_prediction(result))
+
+
+def cmd_profiles(args) -> None:
+    from perfsim.cost.counts import total_params
+    from perfsim.spec.model import load_model
+    from perfsim.spec.presets import PRESETS
+    from perfsim.spec.system import available_systems, load_system
+
+    systems = [load_system(name) for name in available_systems()]
+    models = [load_model(name) for name in PRESETS]
+    if args.json:
+        print(json.dumps({"systems": [{"name": s.name, "description": s.description, "path": s.path} for s in systems],
+                          "models": [m.as_dict() | {"params": total_params(m)} for m in models]}, indent=2))
+        return
+    print("systems (--system NAME, or a path to a .toml profile)")
+    for s in systems:
+        print(f"  {s.name:<14} {s.node.devices_per_node} x {s.device.name}, "
+              f"{s.device.peak_flops_bf16 / 1e12:.1f} TFLOP/s bf16 peak  - {s.description}")
+    print("\nmodels (--model NAME, key=value pairs, or a .toml file)")
+    for m in models:
+        print(f"  {m.name:<14} {total_params(m) / 1e9:8.2f} B params  layers {m.layers:<4} hidden {m.hidden:<6} "
+              f"heads {m.heads:<4} seq {m.seq}")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="perfsim", description="Predict and explain LLM training performance on HPC systems.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("predict", help="predict one plan's step time, throughput and memory")
+    p.add_argument("--model", help="preset name, key=value spec, or .toml file (default: gpt3-175b)")
+    p.add_argument("--system", help="profile name in hwprofiles/ or a .toml path (default: smng-p2)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--nodes", type=_positive)
+    where.add_argument("--devices", type=_positive)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+    _add_plan_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_predict)
+    prof = sub.add_parser("profiles", help="list system profiles and model presets")
+    prof.add_argument("--json", action="store_true")
+    prof.set_defaults(run=cmd_profiles)
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = make_parser().parse_args(argv)
+        args.run(args)
+    except PerfsimError as exc:
+        print(f"perfsim: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

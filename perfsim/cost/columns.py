@@ -1,0 +1,57 @@
+"""Plans as numeric columns: what every cost function reads.
+
+One plan gives numbers; a search gives numpy arrays of the same names (one entry per plan), and
+the cost functions, written with broadcasting arithmetic and np.where, evaluate all at once.
+Strings that change the formulas themselves (tp_mode, order) are fixed per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perfsim.cost.collectives import group_strides
+from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan
+
+NONE, SELECTIVE, FULL = (RECOMPUTE.index(r) for r in ("none", "selective", "full"))
+GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
+
+
+@dataclass
+class Columns:
+    tp: object
+    pp: object
+    dp: object
+    vpp: object
+    mbs: object
+    gbs: object
+    sp: object  # 0 or 1
+    zero: object
+    recompute: object  # index into RECOMPUTE
+    schedule: object  # index into SCHEDULES
+    tp_mode: str = "1d"
+    order: str = "tp-dp-pp"
+
+    @property
+    def microbatches(self):
+        return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def strides(self) -> dict:
+        return group_strides(self.order, {"tp": self.tp, "dp": self.dp, "pp": self.pp})
+
+
+def columns_of(plan: Plan) -> Columns:
+    return Columns(tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, mbs=plan.mbs, gbs=plan.gbs,
+                   sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
+                   schedule=SCHEDULES.index(plan.schedule), tp_mode=plan.tp_mode, order=plan.order)
+
+
+def columns_of_many(plans: list[Plan]) -> Columns:
+    """Plans sharing tp_mode and order, as arrays."""
+    first = plans[0]
+    one = [columns_of(p) for p in plans]
+    arrays = {name: np.array([getattr(c, name) for c in one])
+              for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule")}
+    return Columns(**arrays, tp_mode=first.tp_mode, order=first.order)

@@ -1,0 +1,100 @@
+"""One plan's prediction: step time, its breakdown, throughput, FLOP rates and peak memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from perfsim.cost import counts
+from perfsim.cost.columns import columns_of
+from perfsim.cost.memory import peak_memory
+from perfsim.cost.stage import stage_costs
+from perfsim.errors import PerfsimError
+from perfsim.schedule.analytic import step_time
+from perfsim.spec.model import ModelSpec, load_model
+from perfsim.spec.plan import Plan, plan_problems
+from perfsim.spec.system import System, load_system
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    devices: int
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    model_tflops_per_device: float
+    hardware_tflops_per_device: float
+    megatron_ds_tflops_per_device: float
+    mfu: float
+    hfu: float
+    peak_tflops_per_device: float
+    time_breakdown_s: dict
+    memory_bytes: dict
+    memory_peak_stage: str
+    device_memory_bytes: float
+    fits: bool
+    plan: Plan
+    model: ModelSpec
+    system: System = field(repr=False)
+    dtype: str = "bf16"
+
+    def as_json(self) -> dict:
+        """The `perfsim predict --json` object (shared/DESIGN.md)."""
+        return {
+            "devices": self.devices, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s, "model_flops_per_step": self.model_flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
+            "model_tflops_per_device": self.model_tflops_per_device,
+            "hardware_tflops_per_device": self.hardware_tflops_per_device,
+            "megatron_ds_tflops_per_device": self.megatron_ds_tflops_per_device,
+            "mfu": self.mfu, "hfu": self.hfu, "peak_tflops_per_device": self.peak_tflops_per_device,
+            "time_breakdown_s": self.time_breakdown_s, "memory_bytes": self.memory_bytes,
+            "memory_peak_stage": self.memory_peak_stage, "device_memory_bytes": self.device_memory_bytes,
+            "fits": self.fits, "plan": self.plan.as_dict(), "model": self.model.as_dict(),
+            "system": self.system.name, "dtype": self.dtype,
+        }
+
+
+def peak_flops(system: System, dtype: str) -> float:
+    if dtype not in DTYPES:
+        raise PerfsimError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return getattr(system.device, f"peak_flops_{dtype}")
+
+
+def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str = "bf16") -> Prediction:
+    """Predict one training step of `model` on `system` under `plan` (names are loaded)."""
+    model = load_model(model) if isinstance(model, str) else model
+    system = load_system(system) if isinstance(system, str) else system
+    problems = plan_problems(plan, model)
+    if problems:
+        raise PerfsimError("; ".join(problems))
+    peak = peak_flops(system, dtype)
+    c = columns_of(plan)
+    step, breakdown = step_time(model, system, c, stage_costs(model, system, c, peak))
+    step = float(step)
+    memory = peak_memory(model, system, c)
+
+    vocab_tp = plan.tp
+    model_flops = plan.gbs * counts.model_flops_per_sample(model, vocab_tp)
+    hardware_flops = model_flops + plan.gbs * counts.recompute_flops_per_sample(model, plan.recompute)
+    ds_flops = plan.gbs * counts.megatron_ds_flops_per_sample(model, vocab_tp, plan.recompute == "full")
+    per_device = step * plan.devices
+    total = float(memory["total"])
+    return Prediction(
+        devices=plan.devices, step_time_s=step, tokens_per_s=plan.gbs * model.seq / step,
+        samples_per_s=plan.gbs / step, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
+        model_tflops_per_device=model_flops / per_device / 1e12,
+        hardware_tflops_per_device=hardware_flops / per_device / 1e12,
+        megatron_ds_tflops_per_device=ds_flops / per_device / 1e12,
+        mfu=model_flops / per_device / peak, hfu=hardware_flops / per_device / peak,
+        peak_tflops_per_device=peak / 1e12,
+        time_breakdown_s={k: float(v) for k, v in breakdown.items()},
+        memory_bytes={k: float(memory[k]) for k in ("weights", "gradients", "optimizer", "activations", "buffers", "total")},
+        memory_peak_stage=str(memory["stage"]), device_memory_bytes=system.device.memory_bytes,
+        fits=total <= system.device.memory_bytes, plan=plan, model=model, system=system, dtype=dtype,
+    )
+
+

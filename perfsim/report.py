@@ -1,0 +1,43 @@
+"""Human-readable text for a prediction and for the profile listing."""
+
+from __future__ import annotations
+
+from perfsim.predict import Prediction
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:8.1f} GiB"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:10.1f} ms" if s < 1 else f"{s:10.2f} s "
+
+
+def format_prediction(p: Prediction) -> str:
+    plan = p.plan
+    sp = " +SP" if plan.sp else ""
+    vpp = f" x{plan.vpp} chunks" if plan.vpp > 1 else ""
+    lines = [
+        f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
+        f"plan: TP {plan.tp} ({plan.tp_mode}{sp}) x PP {plan.pp} ({plan.schedule}{vpp}) x DP {plan.dp}, "
+        f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs} "
+        f"({plan.microbatches} micro-batches per pipeline), recompute {plan.recompute}, order {plan.order}",
+        "",
+        f"step time          {_time(p.step_time_s)}",
+        f"throughput         {p.tokens_per_s:12,.0f} tokens/s   {p.samples_per_s:.3f} samples/s",
+        f"per device         {p.model_tflops_per_device:8.1f} TFLOP/s model (MFU {p.mfu:6.1%})",
+        f"                   {p.hardware_tflops_per_device:8.1f} TFLOP/s hardware, with recompute (HFU {p.hfu:6.1%})",
+        f"                   {p.megatron_ds_tflops_per_device:8.1f} TFLOP/s as Megatron-DeepSpeed logs it "
+        f"(peak {p.peak_tflops_per_device:.1f})",
+        "",
+        "where the step goes (exposed time)",
+    ]
+    for key, seconds in p.time_breakdown_s.items():
+        share = seconds / p.step_time_s if p.step_time_s else 0.0
+        lines.append(f"  {key:<12} {_time(seconds)}  {share:6.1%}")
+    lines += ["", f"peak memory per device ({p.memory_peak_stage} pipeline stage)"]
+    for key, n in p.memory_bytes.items():
+        lines.append(f"  {key:<12} {_bytes(n)}")
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    lines.append(f"  {'capacity':<12} {_bytes(p.device_memory_bytes)}  -> {verdict}")
+    return "\n".join(lines)

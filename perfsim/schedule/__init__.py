@@ -1,0 +1,1 @@
+"""How the per-micro-batch costs become one training step's time."""

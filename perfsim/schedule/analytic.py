@@ -1,0 +1,62 @@
+"""Closed-form step time of a pipeline schedule (docs/equations.md, section 9).
+
+With stage times T_i per micro-batch (forward + backward + recompute + communication) and m
+micro-batches, GPipe and 1F1B both take
+    T = (m - 1) max_i T_i + sum_i T_i,
+which is SC21's (m + p - 1) T for equal stages: the bubble is (p - 1) T. They differ in memory
+(GPipe keeps all m micro-batches' activations), not in time. Interleaved 1F1B with v chunks per
+device shrinks the bubble v-fold:
+    T = m max_i T_i + (p - 1)/v * mean_i T_i.
+After the pipeline drains: the data-parallel gradient reduction (less the share hidden behind the
+last backward pass), the tied-embedding gradient all-reduce between first and last stage, the
+optimizer step and the framework's fixed per-step overhead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfsim.cost.collectives import CommModel
+from perfsim.cost.columns import INTERLEAVED, Columns
+from perfsim.cost.data_parallel import optimizer_time, step_reduction_time
+from perfsim.cost.stage import StageCosts
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.system import System
+
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other")
+
+
+def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) -> tuple:
+    """(step time in s, exposed-time breakdown dict whose values add up to it)."""
+    m, p, v = c.microbatches, c.pp, c.vpp
+    first, last = stages.first.total, stages.last.total
+    total_all = first + last + np.maximum(p - 2, 0) * stages.middle.total
+    total_all = np.where(p == 1, first, total_all)
+    slowest = np.maximum(first, last)
+    pipeline = np.where(c.schedule == INTERLEAVED, m * slowest + (p - 1) / v * total_all / p,
+                        (m - 1) * slowest + total_all)
+
+    last_is_slowest = last > first
+    kinds = {k: np.where(last_is_slowest, b, a) for (k, a), b in
+             zip(stages.first.kinds().items(), stages.last.kinds().values())}
+    backward = np.where(last_is_slowest, stages.last.backward, stages.first.backward)
+    breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
+    breakdown["pp_bubble"] = pipeline - m * slowest
+    breakdown["dp_comm"] = m * kinds["dp_comm"]
+
+    comm = CommModel(system)
+    params = np.maximum(stages.params_first, stages.params_last)
+    reduction = step_reduction_time(system, comm, c, params)
+    hidden = np.minimum(system.framework.dp_overlap * reduction, backward)
+    breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden
+
+    # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
+    word = model.padded_vocab(c.tp) * model.hidden / c.tp * system.framework.grad_bytes_per_param
+    tied = model.tied_embeddings & (p > 1)
+    breakdown["pp_comm"] = breakdown["pp_comm"] + np.where(
+        tied, comm.all_reduce(word, 2, c.strides["pp"] * np.maximum(p - 1, 1)), 0.0)
+
+    breakdown["optimizer"] = optimizer_time(system, c, params)
+    breakdown["other"] = system.framework.step_overhead_s + 0.0 * pipeline
+    total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
+    return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}

@@ -1,0 +1,1 @@
+"""What is being predicted: the model, the machine, and the parallel plan."""

@@ -1,0 +1,132 @@
+"""GPT-style decoder specifications: presets, inline specs and TOML files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from perfsim.spec._toml import tomllib
+from dataclasses import dataclass
+
+from perfsim.errors import PerfsimError
+from perfsim.spec.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. Sizes are counts; `vocab` is the tokenizer's, unpadded."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int = 0  # 0 means 4 x hidden
+    kv_heads: int = 0  # 0 means heads (multi-head attention); fewer means grouped-query
+    gated_mlp: bool = False  # SwiGLU-style MLP: two input projections of ffn columns
+    tied_embeddings: bool = True  # output layer shares the input embedding's weights
+    bias: bool = True  # linear layers and norms carry biases (GPT) or not (Llama)
+    norm: str = "layernorm"  # "layernorm" (gamma, beta) or "rmsnorm" (gamma only)
+    learned_positions: bool = True  # a [seq, hidden] position embedding (GPT) or rotary (none)
+    dropout: bool = True  # dropout layers present (they keep masks for backward)
+    vocab_divisor: int = 128  # Megatron's make-vocab-size-divisible-by
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv_head_count(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): kv_heads x head_dim."""
+        return self.kv_head_count * self.head_dim
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Megatron pads the vocabulary to a multiple of vocab_divisor x tensor-parallel size."""
+        multiple = self.vocab_divisor * tp
+        return -(-self.vocab // multiple) * multiple
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ffn"] = self.ffn_size
+        d["kv_heads"] = self.kv_head_count
+        return d
+
+
+_INT_FIELDS = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "vocab_divisor")
+_BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout")
+_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
+
+
+def build_model(name: str, fields: dict, where: str) -> ModelSpec:
+    """Check raw fields (from a preset, an inline spec or a TOML file) and build the spec."""
+    known = set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise PerfsimError(f"{where}: unknown model field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise PerfsimError(f"{where}: model needs {', '.join(missing)} (e.g. layers=96,hidden=12288,heads=96,seq=2048,vocab=51200)")
+    for key in _INT_FIELDS:
+        if key in fields:
+            value = fields[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PerfsimError(f"{where}: model field {key} must be a whole number, got {value!r}")
+            if value < 0 or (value == 0 and key in _REQUIRED + ("vocab_divisor",)):
+                raise PerfsimError(f"{where}: model field {key} must be positive, got {value}")
+    for key in _BOOL_FIELDS:
+        if key in fields and not isinstance(fields[key], bool):
+            raise PerfsimError(f"{where}: model field {key} must be true or false, got {fields[key]!r}")
+    if fields.get("norm", "layernorm") not in ("layernorm", "rmsnorm"):
+        raise PerfsimError(f"{where}: model field norm must be layernorm or rmsnorm, got {fields['norm']!r}")
+    spec = ModelSpec(name=str(fields.get("name", name)), **{k: v for k, v in fields.items() if k != "name"})
+    if spec.hidden % spec.heads:
+        raise PerfsimError(f"{where}: hidden ({spec.hidden}) must be a multiple of heads ({spec.heads})")
+    if spec.heads % spec.kv_head_count:
+        raise PerfsimError(f"{where}: heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_head_count})")
+    return spec
+
+
+def _parse_inline(text: str) -> dict:
+    fields: dict = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key or not raw:
+            raise PerfsimError(f"model spec {text!r}: expected key=value pairs separated by commas, got {part.strip()!r}")
+        if raw.lower() in ("true", "false"):
+            fields[key] = raw.lower() == "true"
+        elif key == "norm" or key == "name":
+            fields[key] = raw
+        else:
+            try:
+                fields[key] = int(raw)
+            except ValueError:
+                raise PerfsimError(f"model spec {text!r}: {key} must be a whole number, got {raw!r}") from None
+    return fields
+
+
+def load_model(text: str) -> ModelSpec:
+    """A preset name, an inline `key=value,...` spec, or a path to a TOML file."""
+    if text in PRESETS:
+        return build_model(text, dict(PRESETS[text]), f"preset {text}")
+    if text.endswith(".toml") or os.path.sep in text:
+        try:
+            with open(text, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise PerfsimError(f"model file {text} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise PerfsimError(f"model file {text} is not valid TOML: {exc}") from None
+        data = data.get("model", data)
+        return build_model(os.path.splitext(os.path.basename(text))[0], data, f"model file {text}")
+    if "=" in text:
+        return build_model("custom", _parse_inline(text), f"model spec {text!r}")
+    raise PerfsimError(f"unknown model {text!r}: use a preset (see `perfsim profiles`), key=value pairs, or a .toml file")

@@ -1,0 +1,183 @@
+"""System profiles: one machine described in TOML (see docs/profile-format.md), checked on load."""
+
+from __future__ import annotations
+
+import math
+import os
+from perfsim.spec._toml import tomllib
+from dataclasses import dataclass, fields
+
+from perfsim.errors import PerfsimError
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hwprofiles")
+PROVENANCES = ("spec", "measured", "derived", "assumed", "calibrated")
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops_bf16: float
+    peak_flops_fp16: float
+    peak_flops_fp32: float
+    memory_bytes: float
+    memory_bandwidth_Bps: float
+    gemm_efficiency: float
+    gemm_half_dim: float
+    memory_efficiency: float
+    kernel_overhead_s: float
+
+
+@dataclass(frozen=True)
+class Node:
+    devices_per_node: int
+    devices_per_card: int
+    card_link_bandwidth_Bps: float
+    card_link_latency_s: float
+    node_link_bandwidth_Bps: float
+    node_link_latency_s: float
+
+
+@dataclass(frozen=True)
+class Network:
+    topology: str
+    nics_per_node: int
+    nic_bandwidth_Bps: float
+    latency_s: float
+    oversubscription: float
+
+
+@dataclass(frozen=True)
+class Collectives:
+    card_efficiency: float
+    node_efficiency: float
+    network_efficiency: float
+
+
+@dataclass(frozen=True)
+class Framework:
+    grad_bytes_per_param: float
+    dp_overlap: float
+    reserved_memory_bytes: float
+    allocator_overhead_fraction: float
+    step_overhead_s: float
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    description: str
+    device: Device
+    node: Node
+    network: Network
+    collectives: Collectives
+    framework: Framework
+    provenance: dict  # "section.key" -> (provenance, source)
+    path: str = ""
+
+
+# Allowed range per key: (kind, lowest, highest, lowest allowed?). "int" keys must be whole numbers.
+_POSITIVE = ("float", 0.0, INF, False)
+_NONNEG = ("float", 0.0, INF, True)
+_FRACTION = ("float", 0.0, 1.0, False)
+_COUNT = ("int", 1, INF, True)
+_RULES = {
+    "device": {f.name: _POSITIVE for f in fields(Device) if f.name != "name"}
+    | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
+    "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
+             "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
+    "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
+                "oversubscription": ("float", 1.0, INF, True)},
+    "collectives": {f.name: _FRACTION for f in fields(Collectives)},
+    "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
+                  "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
+                  "step_overhead_s": _NONNEG},
+}
+_STRINGS = {"device": ("name",), "network": ("topology",)}
+_TOPOLOGIES = ("fat-tree",)
+
+
+def _number(where: str, key: str, entry, rule) -> float:
+    if not isinstance(entry, dict):
+        raise PerfsimError(f"{where}: {key} must be a table with value, provenance and source (see docs/profile-format.md)")
+    for part in ("value", "provenance", "source"):
+        if part not in entry:
+            raise PerfsimError(f"{where}: {key} has no {part}")
+    if entry["provenance"] not in PROVENANCES:
+        raise PerfsimError(f"{where}: {key}.provenance must be one of {', '.join(PROVENANCES)}, got {entry['provenance']!r}")
+    if not isinstance(entry["source"], str) or not entry["source"].strip():
+        raise PerfsimError(f"{where}: {key}.source must say where the number comes from")
+    kind, low, high, low_ok = rule
+    value = entry["value"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "int" and not isinstance(value, int)):
+        wanted = "a whole number" if kind == "int" else "a number"
+        raise PerfsimError(f"{where}: {key}.value must be {wanted}, got {value!r}")
+    if not math.isfinite(value) or value < low or (value == low and not low_ok) or value > high:
+        bound = f"{'at least' if low_ok else 'above'} {low:g}" + (f" and at most {high:g}" if high != INF else "")
+        raise PerfsimError(f"{where}: {key}.value must be {bound}, got {value!r}")
+    return value
+
+
+def parse_system(data: dict, where: str, path: str = "") -> System:
+    """Build a System from parsed TOML; every problem names `where` and the key."""
+    if data.get("schema") != 1:
+        raise PerfsimError(f"{where}: schema must be 1, got {data.get('schema')!r}")
+    for key in ("name", "description"):
+        if not isinstance(data.get(key), str):
+            raise PerfsimError(f"{where}: {key} must be a string")
+    sections, provenance = {}, {}
+    for section, rules in _RULES.items():
+        raw = data.get(section)
+        if not isinstance(raw, dict):
+            raise PerfsimError(f"{where}: missing section [{section}]")
+        values = {}
+        for key in _STRINGS.get(section, ()):
+            if not isinstance(raw.get(key), str):
+                raise PerfsimError(f"{where}: {section}.{key} must be a string")
+            values[key] = raw[key]
+        for key, rule in rules.items():
+            if key not in raw:
+                raise PerfsimError(f"{where}: missing key {section}.{key}")
+            values[key] = _number(where, f"{section}.{key}", raw[key], rule)
+            provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
+        extra = sorted(set(raw) - set(values))
+        if extra:
+            raise PerfsimError(f"{where}: unknown key {section}.{extra[0]}")
+        sections[section] = values
+    if sections["network"]["topology"] not in _TOPOLOGIES:
+        raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
+    node = sections["node"]
+    if node["devices_per_node"] % node["devices_per_card"]:
+        raise PerfsimError(f"{where}: node.devices_per_node must be a multiple of node.devices_per_card")
+    return System(
+        name=data["name"], description=data["description"], device=Device(**sections["device"]),
+        node=Node(**node), network=Network(**sections["network"]),
+        collectives=Collectives(**sections["collectives"]), framework=Framework(**sections["framework"]),
+        provenance=provenance, path=path,
+    )
+
+
+def available_systems() -> list[str]:
+    try:
+        return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".toml"))
+    except FileNotFoundError:
+        return []
+
+
+def load_system(text: str) -> System:
+    """A profile name from hwprofiles/ or a path to a TOML file."""
+    if text.endswith(".toml") or os.path.sep in text:
+        path = text
+    else:
+        path = os.path.join(PROFILE_DIR, text + ".toml")
+        if not os.path.exists(path):
+            raise PerfsimError(f"unknown system {text!r}; available: {', '.join(available_systems())} (or a path to a .toml profile)")
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise PerfsimError(f"system profile {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PerfsimError(f"system profile {path} is not valid TOML: {exc}") from None
+    return parse_system(data, f"system profile {path}", path)
