@@ -44,9 +44,15 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gbs", type=_positive, help="global batch size (sequences)")
     g.add_argument("--recompute", choices=("none", "selective", "full"))
     g.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
+    g.add_argument("--tp-axes", dest="tp_axes",
+                   help="tensor-parallel grid axes innermost first, e.g. input-weight-output for 3d, row-col for 2d "
+                        "(default auto: heaviest traffic on the fastest links)")
+    g.add_argument("--tp-regather", dest="tp_regather", action="store_true", default=None,
+                   help="3d: re-gather inputs and weights in backward instead of keeping the gathered copies")
 
 
-PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order")
+PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
+              "tp_axes", "tp_regather")
 
 
 def build_case(args):
@@ -56,8 +62,8 @@ def build_case(args):
     from perfsim.spec.system import load_system
 
     builtin = args.model is None and args.system is None and args.nodes is None and args.devices is None
-    model = load_model(args.model or BUILTIN_CASE["model"])
-    system = load_system(args.system or BUILTIN_CASE["system"])
+    model = load_model(BUILTIN_CASE["model"] if args.model is None else args.model)
+    system = load_system(BUILTIN_CASE["system"] if args.system is None else args.system)
     given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
     fields = dict(BUILTIN_CASE["plan"]) if builtin else {}
     fields.update(given)

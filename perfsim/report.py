@@ -16,6 +16,10 @@ def _time(s: float) -> str:
 def format_prediction(p: Prediction) -> str:
     plan = p.plan
     sp = " +SP" if plan.sp else ""
+    if plan.tp_mode == "2.5d":
+        sp = f", depth {plan.tp_depth}"
+    if plan.tp_mode == "3d" and plan.tp_regather:
+        sp = ", re-gathering for backward"
     vpp = f" x{plan.vpp} chunks" if plan.vpp > 1 else ""
     lines = [
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",

@@ -7,7 +7,8 @@ Ranks fill cards, then nodes, in order. A group is one of three link classes:
 - network: members in several nodes. All groups of a parallel dimension communicate at once, so
   each node's NICs are shared by the devices_per_node / members_per_node rings that leave it.
 Ring algorithms: all-reduce 2(g-1)/g n / B + 2(g-1) alpha; all-gather and reduce-scatter
-(g-1)/g n / B + (g-1) alpha, with n the full (gathered) tensor's bytes. B is the bottleneck
+(g-1)/g n / B + (g-1) alpha, with n the full (gathered) tensor's bytes; pipelined broadcast and
+reduce n / B + (g-1) alpha. B is the bottleneck
 bandwidth of the ring times the link class's collective efficiency.
 
 This is the interface a topology model replaces: anything with `link(size, stride)` works.
@@ -68,7 +69,15 @@ class CommModel:
 
     reduce_scatter = all_gather  # the same ring, run the other way
 
-    def send(self, nbytes, stride):
-        """Point-to-point message to the rank `stride` away (pipeline neighbours)."""
-        bw, lat = self.link(2, stride)
+    def broadcast(self, nbytes, size, stride):
+        """Pipelined broadcast (or reduce) from one member: about n / B + (g-1) alpha."""
+        bw, lat = self.link(size, stride)
+        return np.where(size > 1, nbytes / bw + (size - 1) * lat, 0.0)
+
+    reduce = broadcast
+
+    def send(self, nbytes, size, stride):
+        """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart
+        (pipeline stages), all sending at once: the slowest hop's link, shared as in a ring."""
+        bw, lat = self.link(size, stride)
         return nbytes / bw + lat

@@ -30,8 +30,11 @@ class Columns:
     zero: object
     recompute: object  # index into RECOMPUTE
     schedule: object  # index into SCHEDULES
+    tp_depth: object = 1
+    regather: object = 0  # 3d: re-gather X and W in backward (0: keep the gathered copies)
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
+    tp_axes: str = "auto"
 
     @property
     def microbatches(self):
@@ -45,13 +48,15 @@ class Columns:
 def columns_of(plan: Plan) -> Columns:
     return Columns(tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, mbs=plan.mbs, gbs=plan.gbs,
                    sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
-                   schedule=SCHEDULES.index(plan.schedule), tp_mode=plan.tp_mode, order=plan.order)
+                   schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
+                   tp_mode=plan.tp_mode, order=plan.order, tp_axes=plan.tp_axes)
 
 
 def columns_of_many(plans: list[Plan]) -> Columns:
-    """Plans sharing tp_mode and order, as arrays."""
+    """Plans sharing tp_mode, order and tp_axes, as arrays."""
     first = plans[0]
     one = [columns_of(p) for p in plans]
     arrays = {name: np.array([getattr(c, name) for c in one])
-              for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule")}
-    return Columns(**arrays, tp_mode=first.tp_mode, order=first.order)
+              for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
+                                "tp_depth", "regather")}
+    return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)

@@ -2,12 +2,15 @@
 
 Per step, for N parameters on a device and a data-parallel group of d:
 - ZeRO-0 (DDP): all-reduce of the gradients (grad_bytes x N);
-- ZeRO-1 and 2: reduce-scatter of the gradients, then all-gather of the updated bf16 weights;
+- ZeRO-1: reduce-scatter of the gradients after the last micro-batch, then all-gather of the
+  updated bf16 weights;
+- ZeRO-2: the gradients are kept only as shards, so every micro-batch reduce-scatters its
+  gradients (as DeepSpeed does); the weights are all-gathered once after the step;
 - ZeRO-3: every micro-batch all-gathers the bf16 weights for forward, again for backward (and
   again for a fully recomputed forward), and reduce-scatters its gradients. The gathers are
   prefetched, so only what exceeds the micro-batch's compute is exposed.
-ZeRO 0-2 reduce once after the last micro-batch; the framework's dp_overlap says what share of that
-hides behind the last micro-batch's backward pass.
+The framework's dp_overlap says what share of a gradient reduction hides behind the backward pass
+that produces it (ZeRO 0-2); the weight all-gather follows the optimizer step and never hides.
 """
 
 from __future__ import annotations
@@ -21,21 +24,25 @@ from perfsim.spec.system import System
 
 
 def step_reduction_time(system: System, comm, c: Columns, params):
-    """ZeRO 0-2: gradient reduction (and weight gathering) once per step, not yet overlapped."""
+    """Once per step, after the last micro-batch: (gradient reduction that may overlap the last
+    backward pass, weight all-gather that cannot)."""
     grads = system.framework.grad_bytes_per_param * params
     stride = c.strides["dp"]
-    zero0 = comm.all_reduce(grads, c.dp, stride)
-    zero12 = comm.reduce_scatter(grads, c.dp, stride) + comm.all_gather(BF16 * params, c.dp, stride)
-    return np.where(c.zero == 0, zero0, np.where(c.zero <= 2, zero12, 0.0))
+    reduction = np.where(c.zero == 0, comm.all_reduce(grads, c.dp, stride),
+                         np.where(c.zero == 1, comm.reduce_scatter(grads, c.dp, stride), 0.0))
+    gather = np.where((c.zero == 1) | (c.zero == 2), comm.all_gather(BF16 * params, c.dp, stride), 0.0)
+    return reduction, gather
 
 
-def zero3_microbatch_time(system: System, comm, c: Columns, params):
-    """ZeRO-3 traffic of one micro-batch (weights gathered per pass, gradients scattered)."""
+def microbatch_reduction_time(system: System, comm, c: Columns, params, busy):
+    """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter (less the
+    dp_overlap share), ZeRO-3's gathers and reduce-scatter beyond the `busy` compute time."""
     stride = c.strides["dp"]
-    gathers = 2 + np.where(c.recompute == FULL, 1, 0)
-    gather = comm.all_gather(BF16 * params, c.dp, stride)
     scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
-    return np.where(c.zero == 3, gathers * gather + scatter, 0.0)
+    gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * comm.all_gather(BF16 * params, c.dp, stride)
+    zero2 = scatter * (1 - system.framework.dp_overlap)
+    zero3 = np.maximum(gathers + scatter - busy, 0.0)
+    return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
 
 
 def optimizer_time(system: System, c: Columns, params):

@@ -1,13 +1,15 @@
 """The ops of one micro-batch on one device: FLOPs, bytes and roofline time (docs/equations.md, section 3).
 
-Shapes follow 1D tensor parallelism of size t: column-parallel QKV and FC1, row-parallel output
-projection and FC2, heads split t ways; with sequence parallelism (sp) the norm/dropout/residual
-region holds 1/t of the tokens. Every function takes numbers or numpy arrays for b, t and sp.
+GEMM shapes come from the tensor-parallel layout (cost/tensor_parallel.py). Element-wise ops are
+described by two divisors: `split`, the share of the linear outputs, attention scores and MLP
+internals a device holds (1/t in 1d, 1/P in every mode), and `region`, the share of the
+norm/dropout/residual tensors (1 in 1d, t with sequence parallelism, P in 2d/2.5d/3d).
+Every function takes numbers or numpy arrays.
 
-Backward of every op costs twice its forward: each GEMM becomes two GEMMs of the same size (data
-and weight gradient) and each element-wise op reads the saved input and the incoming gradient and
-writes the outgoing gradient. The GEMM efficiency model is symmetric in (m, n, k), so the two
-backward GEMMs run at the forward's efficiency.
+Backward: each GEMM becomes two GEMMs of the same size (data and weight gradient), twice the
+forward time, since the efficiency model is symmetric in (m, n, k). Each element-wise op reads
+its saved input and the incoming gradient and writes the outgoing gradient: three tensor passes
+where its forward made two (read, write), so 1.5 times the forward bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Work:
     time_s: object = 0.0
     core_flops: object = 0.0  # the attention core (recomputed by selective recomputation)
     core_time_s: object = 0.0
+    backward_s: object = 0.0  # the backward pass of the same ops
 
 
 def gemm_efficiency(device: Device, m, n, k):
@@ -66,23 +69,9 @@ def memory_time(device: Device, op: MemoryOp):
     return op.nbytes / (device.memory_bandwidth_Bps * device.memory_efficiency) + device.kernel_overhead_s
 
 
-def layer_gemms(model: ModelSpec, b, t) -> list[Gemm]:
-    s, h, d = model.seq, model.hidden, model.head_dim
-    tokens = b * s
-    fc1_out = 2 * model.ffn_size if model.gated_mlp else model.ffn_size
-    return [
-        Gemm("qkv", 1, tokens, (h + 2 * model.kv_hidden) / t, h),
-        Gemm("scores", b * model.heads / t, s, s, d),
-        Gemm("context", b * model.heads / t, s, d, s),
-        Gemm("proj", 1, tokens, h, h / t),
-        Gemm("fc1", 1, tokens, fc1_out / t, h),
-        Gemm("fc2", 1, tokens, h, model.ffn_size / t),
-    ]
-
-
-def layer_memory_ops(model: ModelSpec, b, t, sp) -> list[MemoryOp]:
-    s, h, f = model.seq, model.hidden, model.ffn_size
-    region = b * s * h / np.where(sp, t, 1)  # elements of the norm/dropout/residual region
+def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]:
+    s, h, f, t = model.seq, model.hidden, model.ffn_size, split
+    region = b * s * h / region_split  # elements of the norm/dropout/residual region
     scores = b * model.heads * s * s / t
     ops = [
         MemoryOp("norm1", 2 * BF16 * region),
@@ -102,43 +91,46 @@ def layer_memory_ops(model: ModelSpec, b, t, sp) -> list[MemoryOp]:
     return ops
 
 
+GEMM_BACKWARD = 2.0  # data and weight gradient
+MEMORY_BACKWARD = 1.5  # three tensor passes against two
+CORE_GEMMS = ("scores", "context")
 CORE_MEMORY_OPS = ("softmax", "attn_dropout")
 
 
-def layer_work(model: ModelSpec, device: Device, peak_flops: float, b, t, sp) -> Work:
-    work = Work()
-    for g in layer_gemms(model, b, t):
+def work(device: Device, peak_flops: float, gemms: list, memory_ops: list) -> Work:
+    """Forward time and FLOPs of a list of ops; the attention core is also summed on its own."""
+    total = Work()
+    for g in gemms:
         flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(device, peak_flops, g)
-        work.flops, work.time_s = work.flops + flops, work.time_s + time
-        if g.name in ("scores", "context"):
-            work.core_flops, work.core_time_s = work.core_flops + flops, work.core_time_s + time
-    for op in layer_memory_ops(model, b, t, sp):
+        total.flops, total.time_s = total.flops + flops, total.time_s + time
+        if g.name in CORE_GEMMS:
+            total.core_flops, total.core_time_s = total.core_flops + flops, total.core_time_s + time
+        total.backward_s = total.backward_s + GEMM_BACKWARD * time
+    for op in memory_ops:
         time = memory_time(device, op)
-        work.time_s = work.time_s + time
+        total.time_s = total.time_s + time
+        total.backward_s = total.backward_s + MEMORY_BACKWARD * time
         if op.name in CORE_MEMORY_OPS:
-            work.core_time_s = work.core_time_s + time
-    return work
+            total.core_time_s = total.core_time_s + time
+    return total
 
 
-def embedding_work(model: ModelSpec, device: Device, b) -> Work:
-    """First stage: word-embedding gather (write [b, s, h]), position add, dropout."""
-    full = b * model.seq * model.hidden
-    nbytes = 2 * BF16 * full  # gather: read rows, write output
+def embedding_work(model: ModelSpec, device: Device, b, region_split) -> Work:
+    """First stage: word-embedding gather (read rows, write [b, s, h]), position add, dropout,
+    on the device's share of the output."""
+    full = b * model.seq * model.hidden / region_split
+    nbytes = 2 * BF16 * full
     if model.learned_positions:
         nbytes = nbytes + 3 * BF16 * full
     if model.dropout:
         nbytes = nbytes + (2 * BF16 + 1) * full
-    return Work(time_s=memory_time(device, MemoryOp("embedding", nbytes)))
+    time = memory_time(device, MemoryOp("embedding", nbytes))
+    return Work(time_s=time, backward_s=MEMORY_BACKWARD * time)
 
 
-def head_work(model: ModelSpec, device: Device, peak_flops: float, b, t, sp, vocab) -> Work:
-    """Last stage: final norm, vocabulary-parallel logits GEMM over the padded `vocab`,
-    cross-entropy in fp32 (read bf16 logits, write an fp32 copy, two fp32 reductions, keep the
-    fp32 softmax for backward)."""
-    s, h = model.seq, model.hidden
-    region = b * s * h / np.where(sp, t, 1)
-    logits = Gemm("logits", 1, b * s, vocab / t, h)
-    entropy = MemoryOp("cross_entropy", (BF16 + 4 * FP32) * b * s * vocab / t)
-    time = memory_time(device, MemoryOp("final_norm", 2 * BF16 * region)) + gemm_time(device, peak_flops, logits) \
-        + memory_time(device, entropy)
-    return Work(flops=2.0 * b * s * h * vocab / t, time_s=time)
+def head_memory_ops(model: ModelSpec, b, split, region_split, vocab) -> list[MemoryOp]:
+    """Last stage around the logits GEMM: final norm, and the cross-entropy in fp32 (read bf16
+    logits, write an fp32 copy, two fp32 reductions, keep the fp32 softmax for backward)."""
+    tokens = b * model.seq
+    return [MemoryOp("final_norm", 2 * BF16 * tokens * model.hidden / region_split),
+            MemoryOp("cross_entropy", (BF16 + 4 * FP32) * tokens * vocab / split)]

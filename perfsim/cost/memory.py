@@ -14,65 +14,100 @@ import numpy as np
 from perfsim.cost import counts
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns
 from perfsim.cost.layer import BF16, FP32
+from perfsim.cost.tensor_parallel import layout_of
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and variance
 
 
-def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
-    """Bytes one layer keeps for backward per micro-batch on one device.
+def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
+                     gathered_weight_bytes=0.0):
+    """Bytes one layer keeps for backward per micro-batch on one device, tensor by tensor.
 
-    For a GPT layer (ffn = 4h, kv_heads = heads, dropout) this is Korthikanti's
-    sbh(10 + 24/t + 5as/(ht)) without SP, (sbh/t)(34 + 5as/h) with SP, 34sbh/t (or sbh(10 + 24/t))
-    with selective recomputation and 2sbh (2sbh/t with SP) with full recomputation.
+    `split` divides the tensors inside the tensor-parallel region, `region_split` the norm,
+    dropout and residual tensors; `linear_input_split` (default: as their region) the inputs the
+    linears keep for their weight gradients, which 3d keeps gathered. For a GPT layer
+    (ffn = 4h, kv_heads = heads, dropout) in 1d this is Korthikanti's sbh(10 + 24/t + 5as/(ht))
+    without SP, (sbh/t)(34 + 5as/h) with SP, 34sbh/t (or sbh(10 + 24/t)) with selective
+    recomputation, and 2sbh (2sbh/t with SP) with full recomputation.
     """
     s, h, a, f, kv = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden
     sbh = s * b * h
-    region = np.where(sp, t, 1)
     mask = 1 if model.dropout else 0
-    # norm inputs (2 x 2), QKV and FC1 inputs (2 x 2), two dropout masks (1 each)
-    replicated = (8 + 2 * mask) * sbh / region
-    mlp = (6 if model.gated_mlp else 4) * s * b * f
-    # Q and K for the scores, V for the context, the context itself, and the MLP internals
-    parallel = (2 * sbh + 2 * s * b * kv + 2 * s * b * kv + 2 * sbh + BF16 * mlp / 2) / t
-    # softmax output, and with dropout its mask and output
-    scores = (2 + 3 * mask) * a * s * s * b / t
-    kept = replicated + parallel + np.where(recompute == SELECTIVE, 0, scores)
-    return np.where(recompute == FULL, BF16 * sbh / region, kept)
+    region_inputs = region_split if linear_input_split is None else linear_input_split
+    inputs = split if linear_input_split is None else linear_input_split
+    # norm inputs (2 x 2 sbh) and two dropout masks (1 byte each) in the norm region;
+    # QKV and FC1 inputs (2 x 2 sbh) there too, but kept by the linears
+    region = (4 + 2 * mask) * sbh / region_split + 4 * sbh / region_inputs
+    # Q and K for the scores, V for the context; the context is the projection's input
+    attention = (2 * sbh + 4 * s * b * kv) / split + 2 * sbh / inputs
+    # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
+    mlp = (4 if model.gated_mlp else 2) * s * b * f / split + 2 * s * b * f / inputs
+    scores = (2 + 3 * mask) * a * s * s * b / split  # softmax output, dropout mask and output
+    kept = region + attention + mlp + gathered_weight_bytes + np.where(recompute == SELECTIVE, 0, scores)
+    return np.where(recompute == FULL, BF16 * sbh / region_split, kept)
+
+
+def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
+    """1d tensor parallelism of size t, with or without sequence parallelism."""
+    return activation_bytes(model, b, t, np.where(sp, t, 1), recompute)
+
+
+def layout_activation_bytes(model: ModelSpec, layout, b, recompute):
+    """Any tensor-parallel mode. 3d keeps X gathered over one axis ([b/q, h_in/q]) and W gathered
+    ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
+    if layout.mode != "3d":
+        return activation_bytes(model, b, layout.split, layout.region_split, recompute)
+    keep = np.where(layout.regather, 0, 1)
+    linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
+    weights = keep * BF16 * linear_weights / layout.q**2
+    inputs = np.where(keep, layout.q**2, layout.size)
+    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights)
+    return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute), kept)
 
 
 def microbatches_in_flight(c: Columns, last_stage: bool):
     """Micro-batches whose activations a stage holds at its peak.
 
-    GPipe: all m. 1F1B: the first stage p (or m if fewer), the last one. Interleaved with v chunks:
-    the first stage p (1 + (p-1)/(p v)) (Korthikanti), the last 1 + (p-1)/v (an estimate: its
-    warm-up covers the other chunks' micro-batches).
+    GPipe: all m. 1F1B: the first stage p (or m if fewer), the last one. Interleaved with v chunks,
+    in units of a whole stage's layers: the first stage p (1 + (p-1)/(p v)) (Korthikanti), the
+    last ((v-1) p + 1) / v = p - (p-1)/v (Megatron's warm-up count for the last rank).
     """
     m, p, v = c.microbatches, c.pp, c.vpp
     if last_stage:
-        steady = np.where(c.schedule == INTERLEAVED, 1 + (p - 1) / v, 1)
+        steady = np.where(c.schedule == INTERLEAVED, p - (p - 1) / v, 1)
     else:
         steady = np.where(c.schedule == INTERLEAVED, p * (1 + (p - 1) / (p * v)), np.minimum(m, p))
     return np.where(c.schedule == GPIPE, m, steady)
 
 
-def stage_params(model: ModelSpec, c: Columns, last_stage: bool):
-    """Parameters one device holds for the first (or last) pipeline stage, before ZeRO-3."""
+def stage_params(model: ModelSpec, c: Columns, stage: str):
+    """Parameters one device holds for the "first", a "middle" or the "last" pipeline stage,
+    before ZeRO-3 sharding.
+
+    1d shards the linears and the vocabulary t ways and replicates norms and the row-parallel
+    biases; 2d and 2.5d shard everything q^2 ways (2.5d replicates over its depth), 3d q^3 ways."""
     t, p = c.tp, c.pp
     pieces = counts.layer_params(model)
     h = model.hidden
-    bias = h if model.bias else 0
-    replicated = pieces["norms"] + 2 * bias  # norms, and the biases of the row-parallel linears
-    per_layer = (sum(pieces.values()) - replicated) / t + replicated
-    params = per_layer * model.layers / p
-    vocab = model.padded_vocab(t)
     emb = counts.embedding_params(model, 1)
-    word = vocab * h / t
-    first = word + emb["position"]
+    if c.tp_mode == "1d":
+        bias = h if model.bias else 0
+        replicated = pieces["norms"] + 2 * bias  # norms, and the biases of the row-parallel linears
+        per_layer = (sum(pieces.values()) - replicated) / t + replicated
+        shard, position = t, emb["position"]
+    else:
+        shard = t / c.tp_depth if c.tp_mode == "2.5d" else t
+        per_layer = sum(pieces.values()) / shard
+        position = emb["position"] / shard
+    params = per_layer * model.layers / p
+    word = model.padded_vocab(t) * h / shard
+    first = word + position
     last = counts.norm_params(model) + np.where(model.tied_embeddings & (p == 1), 0, word)
-    ends = last if last_stage else first
-    return params + np.where(p == 1, first + last, ends)
+    if stage == "middle":
+        return params
+    return params + np.where(p == 1, first + last, last if stage == "last" else first)
 
 
 def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool) -> dict:
@@ -80,32 +115,33 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     b, t, dp, p = c.mbs, c.tp, c.dp, c.pp
     s, h = model.seq, model.hidden
     fw = system.framework
-    params = stage_params(model, c, last_stage)
+    params = stage_params(model, c, "last" if last_stage else "first")
     weights = BF16 * params / np.where(c.zero >= 3, dp, 1)
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
-    per_layer = layer_activation_bytes(model, b, t, c.sp, c.recompute)
+    layout = layout_of(model, c)
+    per_layer = layout_activation_bytes(model, layout, b, c.recompute)
     layers = model.layers / p
     in_flight = microbatches_in_flight(c, last_stage)
-    region = np.where(c.sp, t, 1)
+    region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    activations = activations + np.where(c.recompute == FULL,
-                                         layer_activation_bytes(model, b, t, c.sp, 0), 0)
+    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0), 0)
     first = (p == 1) | (not last_stage)
     last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
     # final norm input, the logits GEMM input, bf16 logits and their fp32 softmax for the loss
-    head = BF16 * s * b * h / region + BF16 * s * b * h + (BF16 + FP32) * s * b * vocab / t
-    activations = activations + np.where(last, head, 0)
+    head = BF16 * s * b * h / region + BF16 * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) \
+        + (BF16 + FP32) * s * b * vocab / t
+    activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
     buffers = np.where(p > 1, 2 * BF16 * s * b * h / t, 0)  # pipeline receive buffers
-    buffers = buffers + np.where(c.sp & (t > 1), BF16 * s * b * h, 0)  # sequence-parallel all-gather
+    buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
     layer_weights = BF16 * (sum(counts.layer_params(model).values())) / t
-    buffers = buffers + np.where(c.zero >= 3, 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
+    buffers = buffers + np.where((c.zero >= 3) & (dp > 1), 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
     total = weights + grads + optimizer + activations + buffers

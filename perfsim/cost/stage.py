@@ -2,9 +2,9 @@
 
 A stage holds L/p layers; the first also holds the embedding, the last the final norm, the
 logits and the loss (with p = 1 one stage holds all). Per micro-batch a stage runs forward,
-backward (twice the forward) and what recomputation repeats, issues its tensor-parallel
-collectives (not overlapped, as in Megatron-LM), and sends its activation forward and its
-gradient backward (v times each with v interleaved chunks).
+backward (cost/layer.py) and what recomputation repeats, issues its tensor-parallel collectives
+(not overlapped, as in Megatron-LM and the 2D/3D implementations), and sends its activation
+forward and its gradient backward (v times each with v interleaved chunks).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.collectives import CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
-from perfsim.cost.data_parallel import zero3_microbatch_time
-from perfsim.cost.layer import BF16, embedding_work, head_work, layer_work
+from perfsim.cost.data_parallel import microbatch_reduction_time
+from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -53,45 +53,53 @@ class StageCosts:
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
     dev, comm = system.device, CommModel(system)
-    b, t, p, sp = c.mbs, c.tp, c.pp, c.sp
+    b, t, p = c.mbs, c.tp, c.pp
     strides = c.strides
-    tp_time = lambda coll: tpc.collectives_time(comm, coll, t, strides["tp"])  # noqa: E731
+    layout = tpc.layout_of(model, c)
+    tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
-    layer = layer_work(model, dev, peak_flops, b, t, sp)
-    fwd_coll, bwd_coll = tpc.layer_collectives(model, b, sp)
+    layer = work(dev, peak_flops, tpc.layer_gemms(layout, model, b),
+                 layer_memory_ops(model, b, layout.split, layout.region_split))
+    fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     recompute = np.where(c.recompute == FULL, layer.time_s, np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
     n = model.layers / p
-    middle = StageTime(compute=n * 3 * layer.time_s, recompute=n * recompute,
+    middle = StageTime(compute=n * (layer.time_s + layer.backward_s), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
-                       backward=n * (2 * layer.time_s + recompute + layer_tp_bwd + recompute_tp))
+                       backward=n * (layer.backward_s + recompute + layer_tp_bwd + recompute_tp))
 
-    # Pipeline neighbours exchange [b, s, h] / t (scatter/gather optimisation; with SP the
-    # activation is already split); without SP the receiver all-gathers it inside its TP group.
+    # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
+    # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
+    # group), 1/P in the other modes, whose activations are always split.
     activation = BF16 * b * model.seq * model.hidden
-    hop = comm.send(activation / t, strides["pp"]) + np.where(sp, 0.0, comm.all_gather(activation, t, strides["tp"]))
+    regather = np.where((c.tp_mode == "1d") & (layout.region_split == 1),
+                        comm.all_gather(activation, t, strides["tp"]), 0.0)
+    hop = comm.send(activation / t, p, strides["pp"]) + regather
     middle.pp_comm = np.where(p > 1, 2 * c.vpp * hop, 0.0)
 
-    emb = embedding_work(model, dev, b)
-    emb_fwd, emb_bwd = tpc.embedding_collectives(model, b, sp)
-    head = head_work(model, dev, peak_flops, b, t, sp, model.padded_vocab(t))
-    head_fwd, head_bwd = tpc.head_collectives(model, b, sp)
-    first = _plus(middle, 3 * emb.time_s, tp_time(emb_fwd) + tp_time(emb_bwd), 2 * emb.time_s + tp_time(emb_bwd))
-    last = _plus(middle, 3 * head.time_s, tp_time(head_fwd) + tp_time(head_bwd), 2 * head.time_s + tp_time(head_bwd))
-    single = _plus(first, 3 * head.time_s, tp_time(head_fwd) + tp_time(head_bwd), 2 * head.time_s + tp_time(head_bwd))
+    emb = embedding_work(model, dev, b, layout.region_split)
+    emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b)
+    vocab = model.padded_vocab(t)
+    head = work(dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
+                head_memory_ops(model, b, layout.split, layout.region_split, vocab))
+    head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab)
+    first = _plus(middle, emb, tp_time(emb_fwd), tp_time(emb_bwd))
+    last = _plus(middle, head, tp_time(head_fwd), tp_time(head_bwd))
+    single = _plus(first, head, tp_time(head_fwd), tp_time(head_bwd))
     first, last = (_where(p == 1, single, s) for s in (first, last))
 
-    params_first, params_last = stage_params(model, c, False), stage_params(model, c, True)
-    for stage, params in ((first, params_first), (middle, params_first), (last, params_last)):
-        busy = stage.compute + stage.recompute
-        stage.dp_comm = np.maximum(zero3_microbatch_time(system, comm, c, params) - busy, 0.0)
+    params_first, params_last = stage_params(model, c, "first"), stage_params(model, c, "last")
+    for stage, params in ((first, params_first), (middle, stage_params(model, c, "middle")), (last, params_last)):
+        stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute)
     return StageCosts(first, middle, last, params_first, params_last)
 
 
-def _plus(stage: StageTime, compute, tp_comm, backward) -> StageTime:
-    return StageTime(compute=stage.compute + compute, recompute=stage.recompute, tp_comm=stage.tp_comm + tp_comm,
-                     pp_comm=stage.pp_comm, dp_comm=stage.dp_comm, backward=stage.backward + backward)
+def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
+    """`stage` with the embedding or the head added."""
+    return StageTime(compute=stage.compute + extra.time_s + extra.backward_s, recompute=stage.recompute,
+                     tp_comm=stage.tp_comm + tp_forward + tp_backward, pp_comm=stage.pp_comm, dp_comm=stage.dp_comm,
+                     backward=stage.backward + extra.backward_s + tp_backward)
 
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:

@@ -1,10 +1,24 @@
-"""Tensor-parallel collectives of one micro-batch (docs/equations.md, section 4).
+"""How each tensor-parallel mode splits a layer over its P devices, and what it communicates
+(docs/equations.md, section 4; shared/reference/tensor-parallel.md).
 
-1D (Megatron): per layer one all-reduce of the [b, s, h] activation after attention and one
-after the MLP in the forward pass (operator g), and one each in the backward pass (operator f).
-With sequence parallelism each all-reduce becomes an all-gather entering the tensor-parallel
-region and a reduce-scatter leaving it; the volume is the same.
-A recomputed layer (full recomputation) repeats its forward collectives.
+- 1d (Megatron): QKV and FC1 split by columns, output projection and FC2 by rows; one all-reduce
+  of [b, s, h] after attention and one after the MLP forward (operator g), one each backward
+  (operator f). With sequence parallelism each becomes an all-gather entering the parallel region
+  and a reduce-scatter leaving it (same volume), and the norm/dropout region is split too.
+- 2d (SUMMA on a q x q grid, axes row and col): activations [b/q, h/q], weight blocks
+  [h_in/q, h_out/q]; forward broadcasts X blocks along the row and W blocks along the column,
+  q steps; backward broadcasts W (col) and reduces dX partials (row), broadcasts X (row) and
+  reduces dW partials (col).
+- 2.5d (q x q x d): d SUMMA slices on b/d tokens each, weights replicated over the depth axis,
+  whose weight gradients are all-reduced over depth.
+- 3d (q^3, axes input, weight, output): activation [b/q^2, h_in/q], weight [h_in/q^2, h_out/q];
+  forward all-gathers X (input axis) and W (weight axis) and reduce-scatters Y (output axis);
+  backward all-gathers dY (output), reduce-scatters dX (input) and dW (weight), and re-gathers X
+  and W unless the gathered copies were kept. Input and output axes swap roles every linear.
+
+A collective names the grid axis it runs on; `layout.axes` gives each axis's size and stride
+inside the tensor-parallel group. Axes are placed heaviest-traffic-innermost (so on the fastest
+links) unless the plan fixes the order. Everything takes numbers or numpy arrays.
 """
 
 from __future__ import annotations
@@ -13,66 +27,218 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perfsim.cost.layer import BF16, FP32
+from perfsim.cost.layer import BF16, FP32, Gemm
 from perfsim.spec.model import ModelSpec
 
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+AXES = {"1d": ("tp",), "2d": ("row", "col"), "2.5d": ("row", "col", "depth"), "3d": ("input", "weight", "output")}
 
 
 @dataclass(frozen=True)
 class Collective:
     kind: str
     nbytes: object  # the full tensor's bytes (gathered size for all-gather / reduce-scatter)
-    count: object = 1  # how many such collectives (0 where a mode does not issue it)
+    count: object = 1  # how many such collectives (0 where a plan does not issue it)
+    axis: str = "tp"
+
+
+@dataclass
+class Layout:
+    """One mode's split of a layer: grid side q, depth d, and the divisors of each tensor class."""
+
+    mode: str
+    size: object  # P devices
+    q: object
+    depth: object
+    region_split: object  # norm / dropout / residual tensors
+    split: object  # everything else: linear outputs, attention scores, MLP internals
+    regather: object  # 3d: re-gather X and W in backward instead of keeping the gathered copies
+    axes: dict  # axis -> (size, stride inside the tensor-parallel group)
+
+
+def grid(mode: str, tp, depth=1):
+    """(q, d) of a mode with tp devices."""
+    if mode == "2d":
+        return np.rint(np.sqrt(tp)), 1
+    if mode == "2.5d":
+        return np.rint(np.sqrt(tp / depth)), depth
+    if mode == "3d":
+        return np.rint(np.cbrt(tp)), 1
+    return tp, 1
+
+
+def layout_of(model: ModelSpec, c) -> Layout:
+    q, d = grid(c.tp_mode, c.tp, c.tp_depth)
+    if c.tp_mode == "1d":
+        region = np.where(c.sp, c.tp, 1)
+        sizes = {"tp": c.tp}
+    else:
+        region = c.tp
+        sizes = {"row": q, "col": q, "depth": d} if c.tp_mode != "3d" else {"input": q, "weight": q, "output": q}
+        sizes = {a: sizes[a] for a in AXES[c.tp_mode]}
+    layout = Layout(c.tp_mode, c.tp, q, d, region, c.tp, c.regather, {a: (s, 1) for a, s in sizes.items()})
+    layout.axes = _place_axes(layout, model, c.mbs, c.tp_axes, sizes)
+    return layout
+
+
+def _place_axes(layout: Layout, model: ModelSpec, b, fixed: str, sizes: dict) -> dict:
+    """Strides of the grid axes inside the TP group: innermost first as `fixed` lists them, or
+    by traffic per layer, heaviest innermost (ties in the mode's axis order)."""
+    names = list(sizes)
+    if fixed and fixed != "auto":
+        order = fixed.split("-")
+        traffic = {a: -order.index(a) for a in names}
+    else:
+        forward, backward = layer_collectives(layout, model, b)
+        traffic = {a: sum(x.count * sent_bytes(x.kind, x.nbytes, sizes[a]) for x in forward + backward if x.axis == a)
+                   for a in names}
+    placed = {}
+    for i, a in enumerate(names):
+        stride = 1
+        for j, other in enumerate(names):
+            before = (traffic[other] > traffic[a]) | ((traffic[other] == traffic[a]) & (j < i))
+            stride = stride * np.where(before, sizes[other], 1)
+        placed[a] = (sizes[a], stride)
+    return placed
 
 
 def sent_bytes(kind: str, nbytes, group_size):
-    """Bytes each member sends with ring algorithms."""
+    """Bytes each member sends with ring (all-*) and pipelined (broadcast/reduce) algorithms,
+    averaged over the members."""
     share = (group_size - 1) / group_size
     return 2 * share * nbytes if kind == ALL_REDUCE else share * nbytes
 
 
+def linear_gemm(layout: Layout, name: str, tokens, h_in, h_out, column_parallel: bool) -> Gemm:
+    """The GEMM one device runs for Y = X W (X: tokens x h_in), `count` times."""
+    q, d, mode = layout.q, layout.depth, layout.mode
+    if mode == "1d":
+        t = layout.size
+        return Gemm(name, 1, tokens, h_out / t, h_in) if column_parallel else Gemm(name, 1, tokens, h_out, h_in / t)
+    if mode == "3d":
+        return Gemm(name, 1, tokens / q, h_out / q, h_in / q)
+    return Gemm(name, q, tokens / (d * q), h_out / q, h_in / q)
+
+
+def linear_collectives(layout: Layout, index: int, tokens, h_in, h_out) -> tuple[list, list]:
+    """(forward, backward) collectives of the `index`-th linear of a layer (2d, 2.5d, 3d)."""
+    q, d = layout.q, layout.depth
+    if layout.mode == "3d":
+        into, out = ("input", "output") if index % 2 == 0 else ("output", "input")
+        x, w, y = BF16 * tokens * h_in / q**2, BF16 * h_in * h_out / q**2, BF16 * tokens * h_out / q**2
+        forward = [Collective(ALL_GATHER, x, 1, into), Collective(ALL_GATHER, w, 1, "weight"),
+                   Collective(REDUCE_SCATTER, y, 1, out)]
+        regather = np.where(layout.regather, 1, 0)
+        backward = [Collective(ALL_GATHER, y, 1, out), Collective(REDUCE_SCATTER, x, 1, into),
+                    Collective(REDUCE_SCATTER, w, 1, "weight"),
+                    Collective(ALL_GATHER, x, regather, into), Collective(ALL_GATHER, w, regather, "weight")]
+        return forward, backward
+    x, w = BF16 * tokens / d * h_in / q**2, BF16 * h_in * h_out / q**2
+    forward = [Collective(BROADCAST, x, q, "row"), Collective(BROADCAST, w, q, "col")]
+    backward = [Collective(BROADCAST, w, q, "col"), Collective(REDUCE, x, q, "row"),
+                Collective(BROADCAST, x, q, "row"), Collective(REDUCE, w, q, "col")]
+    if layout.mode == "2.5d":
+        backward.append(Collective(ALL_REDUCE, w, np.where(d > 1, 1, 0), "depth"))
+    return forward, backward
+
+
+def _hidden_axis(layout: Layout) -> str:
+    """The axis over which the hidden dimension of the norm region is split."""
+    return "output" if layout.mode == "3d" else "row"
+
+
+def layer_linears(model: ModelSpec):
+    """(name, h_in, h_out, column-parallel in 1d) of a layer's four linears, in order."""
+    h, f = model.hidden, model.ffn_size
+    return (("qkv", h, h + 2 * model.kv_hidden, True), ("proj", h, h, False),
+            ("fc1", h, 2 * f if model.gated_mlp else f, True), ("fc2", f, h, False))
+
+
+def layer_gemms(layout: Layout, model: ModelSpec, b) -> list[Gemm]:
+    tokens, s = b * model.seq, model.seq
+    gemms = [linear_gemm(layout, name, tokens, h_in, h_out, col) for name, h_in, h_out, col in layer_linears(model)]
+    heads = b * model.heads / layout.size  # whole sequences, heads / P of them, in every mode
+    gemms += [Gemm("scores", heads, s, s, model.head_dim), Gemm("context", heads, s, model.head_dim, s)]
+    return gemms
+
+
+def layer_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, list]:
+    """(forward, backward) collectives of one layer; full recomputation repeats the forward."""
+    tokens = b * model.seq
+    if layout.mode == "1d":
+        activation = BF16 * tokens * model.hidden
+        return _boundary(activation, layout.region_split > 1, 2), _boundary(activation, layout.region_split > 1, 2)
+    forward, backward = [], []
+    for index, (_, h_in, h_out, _) in enumerate(layer_linears(model)):
+        fwd, bwd = linear_collectives(layout, index, tokens, h_in, h_out)
+        forward += fwd
+        backward += bwd
+    # Two norms a layer: mean and mean of squares (fp32) summed over the hidden axis, both ways.
+    stats = Collective(ALL_REDUCE, 2 * FP32 * tokens * layout.axes[_hidden_axis(layout)][0] / layout.size, 2,
+                       _hidden_axis(layout))
+    return forward + [stats], backward + [stats]
+
+
 def _boundary(activation_bytes, sp, count):
-    """`count` tensor-parallel region boundaries: all-reduces, or all-gather + reduce-scatter with SP."""
+    """`count` 1d region boundaries: all-reduces, or all-gather + reduce-scatter with SP."""
     return [Collective(ALL_REDUCE, activation_bytes, np.where(sp, 0, count)),
             Collective(ALL_GATHER, activation_bytes, np.where(sp, count, 0)),
             Collective(REDUCE_SCATTER, activation_bytes, np.where(sp, count, 0))]
 
 
-def layer_collectives(model: ModelSpec, b, sp) -> tuple[list, list]:
-    """(forward, backward) collectives of one layer; recompute repeats the forward list."""
+def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, list]:
+    """Vocabulary-parallel embedding: the partial lookups of the vocabulary shards are summed.
+
+    1d: all-reduce of [b, s, h] (reduce-scatter into the SP region, all-gather back in backward).
+    2d/2.5d/3d: the vocabulary is split along one axis (col; weight for 3d); the device's output
+    block [tokens / (P/q), h/q]... is all-reduced over it (an approximation: docs/assumptions.md)."""
     activation = BF16 * b * model.seq * model.hidden
-    return _boundary(activation, sp, 2), _boundary(activation, sp, 2)
+    if layout.mode == "1d":
+        sp = layout.region_split > 1
+        return ([Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
+                 Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))],
+                [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))])
+    axis = "weight" if layout.mode == "3d" else "col"
+    return [Collective(ALL_REDUCE, activation / layout.size * layout.q, 1, axis)], []
 
 
-def embedding_collectives(model: ModelSpec, b, sp) -> tuple[list, list]:
-    """Vocabulary-parallel embedding: its partial outputs are summed (all-reduce), or
-    reduce-scattered into the sequence-parallel region, whose backward is an all-gather."""
-    activation = BF16 * b * model.seq * model.hidden
-    forward = [Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
-               Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
-    return forward, [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))]
+def head_gemm(layout: Layout, model: ModelSpec, b, vocab) -> Gemm:
+    return linear_gemm(layout, "logits", b * model.seq, model.hidden, vocab, True)
 
 
-def head_collectives(model: ModelSpec, b, sp) -> tuple[list, list]:
-    """Logits input enters the tensor-parallel region (identity forward / all-reduce backward,
-    or all-gather / reduce-scatter with SP); the vocabulary-parallel cross-entropy all-reduces
-    the max, the target logit and the sum of exponentials, [b, s] in fp32 each."""
-    activation = BF16 * b * model.seq * model.hidden
-    forward = [Collective(ALL_GATHER, activation, np.where(sp, 1, 0)),
-               Collective(ALL_REDUCE, FP32 * b * model.seq, 3)]
-    backward = [Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
-                Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
-    return forward, backward
+def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, list]:
+    """Logits (a vocabulary-parallel linear) and the vocabulary-parallel cross-entropy, which
+    all-reduces the max, the target logit and the sum of exponentials ([tokens] in fp32)."""
+    tokens = b * model.seq
+    if layout.mode == "1d":
+        activation = BF16 * tokens * model.hidden
+        sp = layout.region_split > 1
+        forward = [Collective(ALL_GATHER, activation, np.where(sp, 1, 0)), Collective(ALL_REDUCE, FP32 * tokens, 3)]
+        backward = [Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
+                    Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
+        return forward, backward
+    forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab)
+    axis = "output" if layout.mode == "3d" else "row"
+    local_tokens = tokens * layout.axes[axis][0] / layout.size
+    return forward + [Collective(ALL_REDUCE, FP32 * local_tokens, 3, axis)], backward
 
 
-def collectives_time(comm, collectives: list, group_size, stride):
+def collective_time(comm, x: Collective, group_size, stride):
+    if x.kind == ALL_REDUCE:
+        return comm.all_reduce(x.nbytes, group_size, stride)
+    if x.kind in (BROADCAST, REDUCE):
+        return comm.broadcast(x.nbytes, group_size, stride)
+    return comm.all_gather(x.nbytes, group_size, stride)  # all-gather and reduce-scatter alike
+
+
+def collectives_time(comm, layout: Layout, collectives: list, tp_stride):
     total = 0.0
-    for c in collectives:
-        op = comm.all_reduce if c.kind == ALL_REDUCE else comm.all_gather
-        total = total + c.count * op(c.nbytes, group_size, stride)
+    for x in collectives:
+        size, stride = layout.axes[x.axis]
+        total = total + x.count * collective_time(comm, x, size, stride * tp_stride)
     return total
 
 
-def collectives_sent_bytes(collectives: list, group_size):
-    return sum(c.count * sent_bytes(c.kind, c.nbytes, group_size) for c in collectives)
+def collectives_sent_bytes(layout: Layout, collectives: list):
+    return sum(x.count * sent_bytes(x.kind, x.nbytes, layout.axes[x.axis][0]) for x in collectives)

@@ -46,9 +46,9 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     comm = CommModel(system)
     params = np.maximum(stages.params_first, stages.params_last)
-    reduction = step_reduction_time(system, comm, c, params)
+    reduction, gather = step_reduction_time(system, comm, c, params)
     hidden = np.minimum(system.framework.dp_overlap * reduction, backward)
-    breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden
+    breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden + gather
 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
     word = model.padded_vocab(c.tp) * model.hidden / c.tp * system.framework.grad_bytes_per_param

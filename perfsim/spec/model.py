@@ -123,9 +123,15 @@ def load_model(text: str) -> ModelSpec:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise PerfsimError(f"model file {text} does not exist") from None
+        except IsADirectoryError:
+            raise PerfsimError(f"model file {text} is a directory; give a .toml file") from None
+        except OSError as exc:
+            raise PerfsimError(f"model file {text} cannot be read: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise PerfsimError(f"model file {text} is not valid TOML: {exc}") from None
         data = data.get("model", data)
+        if not isinstance(data, dict):
+            raise PerfsimError(f"model file {text}: [model] must be a table of model fields")
         return build_model(os.path.splitext(os.path.basename(text))[0], data, f"model file {text}")
     if "=" in text:
         return build_model("custom", _parse_inline(text), f"model spec {text!r}")

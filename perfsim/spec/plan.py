@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from perfsim.spec.model import ModelSpec
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
-MODELLED_TP_MODES = ("1d",)  # the multi-dimensional modes arrive with the topology model
+TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "2.5d": ("row", "col", "depth"), "3d": ("input", "weight", "output")}
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DIMENSIONS = ("tp", "dp", "pp")
@@ -32,6 +34,8 @@ class Plan:
     gbs: int = 1
     recompute: str = "none"
     order: str = DEFAULT_ORDER
+    tp_axes: str = "auto"  # tensor-parallel grid axes innermost first, or heaviest traffic innermost
+    tp_regather: bool = False  # 3d: re-gather X and W for backward instead of keeping the gathered copies
 
     @property
     def devices(self) -> int:
@@ -60,20 +64,24 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         return reasons
     if plan.tp_mode not in TP_MODES:
         reasons.append(f"tp_mode must be one of {', '.join(TP_MODES)}, got {plan.tp_mode!r}")
-    elif plan.tp_mode not in MODELLED_TP_MODES and plan.tp > 1:
-        reasons.append(f"tp_mode {plan.tp_mode} is not modelled yet; use --tp-mode 1d")
+    else:
+        reasons += _grid_problems(plan, model)
     if plan.schedule not in SCHEDULES:
         reasons.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.recompute not in RECOMPUTE:
         reasons.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {plan.recompute!r}")
-    if plan.zero not in (0, 1, 2, 3):
+    if isinstance(plan.zero, bool) or plan.zero not in (0, 1, 2, 3):
         reasons.append(f"zero must be 0, 1, 2 or 3, got {plan.zero!r}")
-    if sorted(plan.order.split("-")) != sorted(DIMENSIONS):
+    if not isinstance(plan.sp, (bool, np.bool_)):
+        reasons.append(f"sp must be true or false, got {plan.sp!r}")
+    if not isinstance(plan.order, str) or sorted(plan.order.split("-")) != sorted(DIMENSIONS):
         reasons.append(f"order must list tp, dp and pp innermost first, like {DEFAULT_ORDER}; got {plan.order!r}")
     if plan.sp and plan.tp_mode != "1d":
         reasons.append("sequence parallelism (--sp) applies to 1d tensor parallelism only")
     if plan.tp_depth != 1 and plan.tp_mode != "2.5d":
         reasons.append("tp_depth applies to --tp-mode 2.5d only")
+    if plan.tp_regather and plan.tp_mode != "3d":
+        reasons.append("tp_regather applies to --tp-mode 3d only")
 
     if plan.tp_mode == "1d":
         if model.heads % plan.tp:
@@ -99,4 +107,44 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         reasons.append(f"the interleaved schedule needs the {plan.microbatches} micro-batches to be a multiple of pp {plan.pp}")
     if devices is not None and devices != plan.devices:
         reasons.append(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the {devices} devices")
+    return reasons
+
+
+def _root(n: int, power: int) -> int | None:
+    r = round(n ** (1 / power))
+    return next((c for c in (r - 1, r, r + 1) if c > 0 and c**power == n), None)
+
+
+def _grid_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Shape and divisibility rules of the 2d, 2.5d and 3d grids (shared/reference/tensor-parallel.md)."""
+    mode, t, d = plan.tp_mode, plan.tp, plan.tp_depth
+    reasons = []
+    axes = TP_AXES.get(mode, ())
+    if plan.tp_axes != "auto" and sorted(plan.tp_axes.split("-")) != sorted(axes):
+        reasons.append(f"tp_axes for {mode} must list {', '.join(axes)} innermost first, or be auto; got {plan.tp_axes!r}")
+    if mode == "1d":
+        return reasons
+    if mode == "2d":
+        q = _root(t, 2)
+        if q is None:
+            return reasons + [f"2d tensor parallelism needs a square; 4, 9, 16, 64 are allowed, got {t}"]
+        rows = q
+    elif mode == "2.5d":
+        q = _root(t // d, 2) if t % d == 0 else None
+        if q is None:
+            return reasons + [f"2.5d tensor parallelism needs tp = q x q x depth; got tp {t} with depth {d}"]
+        rows = d * q
+    else:
+        q = _root(t, 3)
+        if q is None:
+            return reasons + [f"3d tensor parallelism needs a cube; 8, 27, 64 are allowed, got {t}"]
+        rows = q * q
+    if plan.mbs % rows:
+        reasons.append(f"{mode} tensor parallelism splits the micro-batch {rows} ways: mbs must be a multiple of {rows}, got {plan.mbs}")
+    weight_rows = q * q if mode == "3d" else q
+    for name, size in (("hidden", model.hidden), ("MLP width", model.ffn_size)):
+        if size % weight_rows:
+            reasons.append(f"{mode} tensor parallelism needs the {name} {size} to be a multiple of {weight_rows}")
+    if model.heads % q or model.kv_head_count % q:
+        reasons.append(f"{mode} tensor parallelism splits heads {q} ways: {q} must divide the heads and key/value heads")
     return reasons

@@ -178,6 +178,10 @@ def load_system(text: str) -> System:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise PerfsimError(f"system profile {path} does not exist") from None
+    except IsADirectoryError:
+        raise PerfsimError(f"system profile {path} is a directory; give a .toml file") from None
+    except OSError as exc:
+        raise PerfsimError(f"system profile {path} cannot be read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise PerfsimError(f"system profile {path} is not valid TOML: {exc}") from None
     return parse_system(data, f"system profile {path}", path)

@@ -1,0 +1,58 @@
+"""Shared helpers and published reference data for the perfsim test suite.
+
+Everything here is written from the papers (shared/reference/published.md), not from perfsim's
+own code, so that tests compare perfsim against an independent derivation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perfsim import cli
+
+# Narayanan et al., SC21, Table 1: preset, published params (B), heads, hidden, layers, TP, PP, GPUs, batch.
+SC21_TABLE1 = [
+    ("sc21-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512),
+    ("sc21-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512),
+    ("sc21-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512),
+    ("sc21-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024),
+    ("sc21-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536),
+    ("sc21-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792),
+    ("sc21-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304),
+    ("sc21-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160),
+    ("sc21-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520),
+    ("sc21-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
+]
+SC21_SEQ = 2048
+SC21_VOCAB = 51200
+
+GPT2_VOCAB = 50257
+
+
+def padded_vocab(vocab: int, tp: int, divisor: int = 128) -> int:
+    """Megatron's padding: the smallest multiple of divisor x tp that holds the vocabulary."""
+    multiple = divisor * tp
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+class CliResult:
+    def __init__(self, code: int, out: str, err: str):
+        self.code, self.out, self.err = code, out, err
+
+    def json(self):
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run `perfsim.cli.main(argv)` in-process; returns exit code, stdout and stderr."""
+
+    def run(*argv: str) -> CliResult:
+        capsys.readouterr()  # drop anything printed before
+        code = cli.main(list(argv))
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
