@@ -41,7 +41,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
              zip(stages.first.kinds().items(), stages.last.kinds().values())}
     backward = np.where(last_is_slowest, stages.last.backward, stages.first.backward)
     breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
-    breakdown["pp_bubble"] = pipeline - m * slowest
+    # Exactly zero without a pipeline; never negative from rounding.
+    breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]
 
     comm = CommModel(system)
