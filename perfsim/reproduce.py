@@ -1,5 +1,5 @@
 """Predictions beside published results: `python -m perfsim.reproduce` prints the Markdown tables
-of docs/validation.md.
+of docs/validation.md and docs/reproduction.md.
 
 SC21 Table 1 gives TP, PP, GPU count and batch but not the micro-batch size or the interleaving
 factor, which the authors tuned per row. perfsim tunes them the same way: for each row it takes
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from perfsim.predict import Prediction, predict
 from perfsim.published import SC21_TABLE1, Sc21Row
-from perfsim.spec.model import load_model
+from perfsim.spec.model import ModelSpec, build_model, load_model
 from perfsim.spec.plan import Plan, plan_problems
 from perfsim.spec.system import System, load_system
 
@@ -60,5 +60,99 @@ def sc21_markdown(rows) -> str:
     return "\n".join(out)
 
 
+# The 3D tensor-parallelism paper (Bian et al. 2021) does not give its model or batch sizes. The
+# most plausible reading: a GPT-style stack whose whole width is split over all 64 V100s of the
+# TACC system (16 nodes of 4), fp16, no pipeline or data parallelism, sequence 512 (BERT-era),
+# hidden 4096 with 64 heads, one micro-batch of 64 sequences per step, and the 2021 3D variant that
+# re-gathers inputs and weights for backward. Ratios for other sizes are in the sweep.
+TP3D_SYSTEM = "v100-tacc"
+TP3D_DEVICES = 64
+TP3D_CASE = {"hidden": 4096, "seq": 512, "mbs": 64}
+TP3D_PUBLISHED = {"1d": 2.32, "2d": 1.57}  # 3d's speed-up over each
+TP3D_MODES = (("1d", {}), ("2d", {}), ("2.5d", {"tp_depth": 4}), ("3d", {"tp_regather": True}))
+
+
+def tp3d_model(hidden: int, seq: int) -> ModelSpec:
+    return build_model(f"gpt-h{hidden}-s{seq}", dict(layers=24, hidden=hidden, heads=64, seq=seq, vocab=51200),
+                       "3d reproduction")
+
+
+def tp3d_step_times(hidden: int, seq: int, mbs: int, system: System | None = None) -> dict:
+    """Predictions per tensor-parallel mode on 64 devices, one micro-batch per step."""
+    system = system or load_system(TP3D_SYSTEM)
+    model = tp3d_model(hidden, seq)
+    out = {}
+    for mode, extra in TP3D_MODES:
+        plan = Plan(tp=TP3D_DEVICES, tp_mode=mode, mbs=mbs, gbs=mbs, **extra)
+        out[mode] = predict(model, system, plan, dtype="fp16")
+    return out
+
+
+def tp3d_markdown() -> str:
+    out = ["| hidden | seq | micro-batch | 3d vs 1d | 3d vs 2d | 3d vs 2.5d (d=4) | 2.5d vs 1d | 3d TP-comm share | "
+           "3d fits in 16 GB | 1d fits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for hidden in (2048, 4096, 8192):
+        for seq in (512, 2048):
+            for mbs in (16, 64, 256):
+                p = tp3d_step_times(hidden, seq, mbs)
+                t = {k: v.step_time_s for k, v in p.items()}
+                mark = "**" if dict(hidden=hidden, seq=seq, mbs=mbs) == TP3D_CASE else ""
+                out.append(f"| {mark}{hidden}{mark} | {seq} | {mbs} | {t['1d'] / t['3d']:.2f} | {t['2d'] / t['3d']:.2f} | "
+                           f"{t['2.5d'] / t['3d']:.2f} | {t['1d'] / t['2.5d']:.2f} | "
+                           f"{p['3d'].time_breakdown_s['tp_comm'] / t['3d']:.0%} | {'yes' if p['3d'].fits else 'no'} | "
+                           f"{'yes' if p['1d'].fits else 'no'} |")
+    return "\n".join(out)
+
+
+# SMNG-P2, 175B on 16 nodes: which tensor-parallel layout inside a node. The authors' frame (PP 16,
+# global batch 300, ZeRO-1, full recomputation) with TP 8 in each mode that has an 8-device grid,
+# and 2D on 4 tiles (then DP 2); the micro-batch is the best the mode allows.
+SMNG_TP_CANDIDATES = (("1d", 8, {}), ("1d", 8, {"sp": True}), ("2d", 4, {}), ("2.5d", 8, {"tp_depth": 2}),
+                      ("3d", 8, {}), ("3d", 8, {"tp_regather": True}))
+
+
+def smng_tp_modes(system: System | None = None) -> list[Prediction]:
+    system = system or load_system("smng-p2")
+    model = load_model("gpt3-175b")
+    best = []
+    for mode, tp, extra in SMNG_TP_CANDIDATES:
+        dp = 128 // (tp * 16)
+        found = None
+        for mbs in (1, 2, 3, 4, 5, 6, 8, 10, 12):
+            plan = Plan(tp=tp, tp_mode=mode, pp=16, dp=dp, mbs=mbs, gbs=300, zero=1, recompute="full", **extra)
+            if plan_problems(plan, model):
+                continue
+            p = predict(model, system, plan)
+            if p.fits and (found is None or p.step_time_s < found.step_time_s):
+                found = p
+        if found is not None:
+            best.append(found)
+    return sorted(best, key=lambda p: p.step_time_s)
+
+
+def smng_tp_markdown(rows: list[Prediction]) -> str:
+    out = ["| TP layout | DP | micro-batch | step time | Megatron-DS TFLOP/s per tile | TP comm | bubble | memory | "
+           "grid axes (size, stride) |", "|---|---|---|---|---|---|---|---|---|"]
+    from perfsim.cost.columns import columns_of
+    from perfsim.cost.tensor_parallel import layout_of
+
+    for p in rows:
+        plan = p.plan
+        name = plan.tp_mode + (" + SP" if plan.sp else "") + (f" d={plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
+            + (" re-gather" if plan.tp_regather else "")
+        axes = layout_of(p.model, columns_of(plan)).axes
+        axes_text = ", ".join(f"{a} ({int(size)}, {int(stride)})" for a, (size, stride) in axes.items())
+        share = {k: v / p.step_time_s for k, v in p.time_breakdown_s.items()}
+        out.append(f"| TP {plan.tp} {name} | {plan.dp} | {plan.mbs} | {p.step_time_s:.1f} s | "
+                   f"{p.megatron_ds_tflops_per_device:.1f} | {share['tp_comm']:.0%} | {share['pp_bubble']:.0%} | "
+                   f"{p.memory_bytes['total'] / 1e9:.1f} GB | {axes_text} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
+    print("## SC21 Table 1 on dgx-a100\n")
     print(sc21_markdown(sc21_table()))
+    print("\n## 3D tensor parallelism on 64 V100 (v100-tacc): speed-up of 3d over the other modes\n")
+    print(tp3d_markdown())
+    print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")
+    print(smng_tp_markdown(smng_tp_modes()))
