@@ -60,6 +60,47 @@ def sc21_markdown(rows) -> str:
     return "\n".join(out)
 
 
+# SMNG-P2: the authors' three plans (shared/reference/published.md, section 1), full recomputation.
+SMNG_PLANS = (("3.6B", "smng-p2-3.6b", Plan(tp=1, pp=1, dp=8, zero=2, mbs=8, gbs=64, recompute="full")),
+              ("20B", "smng-p2-20b", Plan(tp=8, pp=4, dp=1, zero=1, mbs=1, gbs=8, recompute="full")),
+              ("175B", "smng-p2-175b", Plan(tp=8, pp=16, dp=1, zero=1, mbs=3, gbs=300, recompute="full")))
+
+
+def smng_plans_markdown(system: System | None = None) -> str:
+    system = system or load_system("smng-p2")
+    peak = system.device.peak_flops_bf16 / 1e12
+    out = [f"| model | tiles | plan | step time | model TFLOP/s per tile (MFU) | Megatron-DS `TFLOPs:` per tile "
+           f"(of {peak:.1f}) | TP comm | bubble | DP comm | peak memory (of {system.device.memory_bytes / 1e9:.0f} GB) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, preset, plan in SMNG_PLANS:
+        p = predict(preset, system, plan)
+        share = {k: v / p.step_time_s for k, v in p.time_breakdown_s.items()}
+        out.append(f"| {name} | {plan.devices} | TP{plan.tp} PP{plan.pp} DP{plan.dp} ZeRO-{plan.zero} mbs {plan.mbs} "
+                   f"gbs {plan.gbs} | {p.step_time_s:.2f} s | {p.model_tflops_per_device:.1f} ({p.mfu:.1%}) | "
+                   f"{p.megatron_ds_tflops_per_device:.1f} ({p.megatron_ds_tflops_per_device / peak:.1%}) | "
+                   f"{share['tp_comm']:.0%} | {share['pp_bubble']:.0%} | {share['dp_comm']:.0%} | "
+                   f"{p.memory_bytes['total'] / 1e9:.1f} GB ({'fits' if p.fits else 'does not fit'}) |")
+    return "\n".join(out)
+
+
+def xe_link_sensitivity(factors=(1, 2, 4, 8)) -> str:
+    """The 175B plan's Megatron-DS rate as the Xe Link bandwidth is scaled."""
+    import dataclasses
+
+    system = load_system("smng-p2")
+    name, preset, plan = SMNG_PLANS[-1]
+    rates, shares = [], []
+    for f in factors:
+        node = dataclasses.replace(system.node, node_link_bandwidth_Bps=system.node.node_link_bandwidth_Bps * f)
+        p = predict(preset, dataclasses.replace(system, node=node), plan)
+        rates.append(f"{p.megatron_ds_tflops_per_device:.1f}")
+        shares.append(f"{p.time_breakdown_s['tp_comm'] / p.step_time_s:.0%}")
+    head = " | ".join(str(f) for f in factors)
+    return "\n".join([f"| Xe Link bandwidth (x profile) | {head} |", "|---" * (len(factors) + 1) + "|",
+                      f"| Megatron-DS TFLOP/s per tile | {' | '.join(rates)} |",
+                      f"| TP communication share | {' | '.join(shares)} |"])
+
+
 # The 3D tensor-parallelism paper (Bian et al. 2021) does not give its model or batch sizes. The
 # most plausible reading: a GPT-style stack whose whole width is split over all 64 V100s of the
 # TACC system (16 nodes of 4), fp16, no pipeline or data parallelism, sequence 512 (BERT-era),
@@ -152,6 +193,10 @@ def smng_tp_markdown(rows: list[Prediction]) -> str:
 if __name__ == "__main__":
     print("## SC21 Table 1 on dgx-a100\n")
     print(sc21_markdown(sc21_table()))
+    print("\n## SMNG-P2: the authors' plans\n")
+    print(smng_plans_markdown())
+    print()
+    print(xe_link_sensitivity())
     print("\n## 3D tensor parallelism on 64 V100 (v100-tacc): speed-up of 3d over the other modes\n")
     print(tp3d_markdown())
     print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")
