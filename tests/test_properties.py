@@ -123,7 +123,7 @@ def test_breakdown_adds_up_and_is_nonnegative(case):
     pred = perfsim.predict(model, system, plan)
     assert set(pred.time_breakdown_s) == set(TIME_KEYS)
     # >= 0 up to rounding: a pp = 1 bubble comes out as (m-1)T + T - mT, e.g. -8.9e-16 s
-    # (exact zero is test_no_pipeline_no_bubble_exactly, xfail).
+    # (exact zero is test_no_pipeline_no_bubble_exactly).
     tiny = 1e-12 * pred.step_time_s
     assert all(math.isfinite(v) and v >= -tiny for v in pred.time_breakdown_s.values()), pred.time_breakdown_s
     assert sum(pred.time_breakdown_s.values()) == pytest.approx(pred.step_time_s, rel=1e-9)
@@ -226,10 +226,6 @@ def _pp1_grid():
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="perfsim/schedule/analytic.py computes pp_bubble as pipeline - m x slowest, "
-                   "which leaves a rounding residue such as -8.9e-16 s when pp = 1 (e.g. sc21-1.7b, dgx-a100, "
-                   "tp 1 dp 1 mbs 4 gbs 28 full recompute); computing it as total_all - slowest (1F1B/GPipe) "
-                   "gives exactly 0 and never a negative value")
 def test_no_pipeline_no_bubble_exactly():
     system = SYS["dgx-a100"]
     bubbles = [perfsim.predict(MODELS[name], system, plan).time_breakdown_s["pp_bubble"] for name, plan in _pp1_grid()]
