@@ -9,7 +9,9 @@ from dataclasses import dataclass, fields
 
 from perfsim.errors import PerfsimError
 
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hwprofiles")
+# hwprofiles/ at the top of the repository, shipped inside the package through the
+# perfsim/hwprofiles link so that a plain `pip install .` finds it too.
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hwprofiles")
 PROVENANCES = ("spec", "measured", "derived", "assumed", "calibrated")
 
 INF = math.inf
