@@ -25,6 +25,8 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    if value > 2**40:
+        raise argparse.ArgumentTypeError(f"{value} is implausibly large (at most {2**40})")
     return value
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from perfsim.cost import counts
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns
 from perfsim.cost.layer import BF16, FP32
-from perfsim.cost.tensor_parallel import layout_of
+from perfsim.cost.tensor_parallel import layout_of, weight_shard
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -98,7 +98,7 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         per_layer = (sum(pieces.values()) - replicated) / t + replicated
         shard, position = t, emb["position"]
     else:
-        shard = t / c.tp_depth if c.tp_mode == "2.5d" else t
+        shard = weight_shard(c.tp_mode, t, c.tp_depth)
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
     params = per_layer * model.layers / p
@@ -140,7 +140,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
 
     buffers = np.where(p > 1, 2 * BF16 * s * b * h / t, 0)  # pipeline receive buffers
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
-    layer_weights = BF16 * (sum(counts.layer_params(model).values())) / t
+    layer_weights = BF16 * sum(counts.layer_params(model).values()) / weight_shard(c.tp_mode, t, c.tp_depth)
     buffers = buffers + np.where((c.zero >= 3) & (dp > 1), 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live

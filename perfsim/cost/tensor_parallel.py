@@ -57,6 +57,11 @@ class Layout:
     axes: dict  # axis -> (size, stride inside the tensor-parallel group)
 
 
+def weight_shard(mode: str, tp, depth=1):
+    """How many ways a mode splits each weight matrix (2.5d replicates over its depth)."""
+    return tp / depth if mode == "2.5d" else tp
+
+
 def grid(mode: str, tp, depth=1):
     """(q, d) of a mode with tp devices."""
     if mode == "2d":
@@ -191,8 +196,9 @@ def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, li
     """Vocabulary-parallel embedding: the partial lookups of the vocabulary shards are summed.
 
     1d: all-reduce of [b, s, h] (reduce-scatter into the SP region, all-gather back in backward).
-    2d/2.5d/3d: the vocabulary is split along one axis (col; weight for 3d); the device's output
-    block [tokens / (P/q), h/q]... is all-reduced over it (an approximation: docs/assumptions.md)."""
+    2d/2.5d/3d: the vocabulary is split along one axis (col; weight for 3d); the partial sums of
+    the device's output block, 1/P of [b, s, h], are all-reduced over it (an approximation:
+    docs/assumptions.md)."""
     activation = BF16 * b * model.seq * model.hidden
     if layout.mode == "1d":
         sp = layout.region_split > 1
@@ -200,7 +206,7 @@ def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, li
                  Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))],
                 [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))])
     axis = "weight" if layout.mode == "3d" else "col"
-    return [Collective(ALL_REDUCE, activation / layout.size * layout.q, 1, axis)], []
+    return [Collective(ALL_REDUCE, activation / layout.size, 1, axis)], []
 
 
 def head_gemm(layout: Layout, model: ModelSpec, b, vocab) -> Gemm:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from perfsim.errors import PerfsimError
 from perfsim.spec.presets import PRESETS
 
+LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -81,6 +83,8 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
                 raise PerfsimError(f"{where}: model field {key} must be a whole number, got {value!r}")
             if value < 0 or (value == 0 and key in _REQUIRED + ("vocab_divisor",)):
                 raise PerfsimError(f"{where}: model field {key} must be positive, got {value}")
+            if value > LARGEST_SIZE:
+                raise PerfsimError(f"{where}: model field {key} {value} is implausibly large (at most {LARGEST_SIZE})")
     for key in _BOOL_FIELDS:
         if key in fields and not isinstance(fields[key], bool):
             raise PerfsimError(f"{where}: model field {key} must be true or false, got {fields[key]!r}")

@@ -15,6 +15,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
+LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         value = getattr(plan, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             reasons.append(f"{name} must be a positive whole number, got {value!r}")
+        elif value > LARGEST_SIZE:
+            reasons.append(f"{name} {value} is implausibly large (at most {LARGEST_SIZE})")
     if reasons:
         return reasons
     if plan.tp_mode not in TP_MODES:
@@ -120,7 +123,7 @@ def _grid_problems(plan: Plan, model: ModelSpec) -> list[str]:
     mode, t, d = plan.tp_mode, plan.tp, plan.tp_depth
     reasons = []
     axes = TP_AXES.get(mode, ())
-    if plan.tp_axes != "auto" and sorted(plan.tp_axes.split("-")) != sorted(axes):
+    if not isinstance(plan.tp_axes, str) or (plan.tp_axes != "auto" and sorted(plan.tp_axes.split("-")) != sorted(axes)):
         reasons.append(f"tp_axes for {mode} must list {', '.join(axes)} innermost first, or be auto; got {plan.tp_axes!r}")
     if mode == "1d":
         return reasons
