@@ -1,0 +1,309 @@
+"""Topology-aware communication model (perfsim/cost/topology.py, docs/topology.md).
+
+Expected values come from the profiles' link numbers and hand arithmetic, and from a brute-force
+reference written here: route every ring edge of every group of a whole small machine over
+build_graph with networkx and count flows on every link. The model itself studies one node at a
+time on a two-node graph with its own router, so the two computations share only the graph.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from perfsim.cost.collectives import CommModel
+from perfsim.cost import topology
+from perfsim.cost.topology import TopologyCommModel, build_graph, node_patterns
+from perfsim.spec.system import load_system
+
+PROFILES = ("smng-p2", "dgx-a100", "dgx-h100", "v100-tacc", "cpu-example")
+
+
+@pytest.fixture(scope="module")
+def smng():
+    return load_system("smng-p2")
+
+
+@pytest.fixture(scope="module")
+def dgx():
+    return load_system("dgx-a100")
+
+
+def brute_force(system, size, stride, nodes, card_topology=None):
+    """(raw bandwidth, effective bandwidth, latency) of the slowest ring edge of dimension
+    (size, stride) on `nodes` whole nodes, every group's ring running at once."""
+    graph = build_graph(system, nodes, card_topology)
+    D = system.node.devices_per_node
+    world = nodes * D
+    assert world % (size * stride) == 0
+    eff = {"card": system.collectives.card_efficiency, "node": system.collectives.node_efficiency,
+           "network": system.collectives.network_efficiency, "host": 1.0}
+    dev = lambda r: ("device", r // D, r % D)  # noqa: E731
+    routes = []
+    for r in range(world):
+        k = (r // stride) % size
+        dst = r + stride if k < size - 1 else r - (size - 1) * stride
+        routes.append(nx.shortest_path(graph, dev(r), dev(dst), weight="cost"))
+    load = {}
+    for path in routes:
+        for u, v in zip(path, path[1:]):
+            load[(u, v)] = load.get((u, v), 0) + 1
+    raw = effective = math.inf
+    latency = 0.0
+    for path in routes:
+        latency = max(latency, sum(graph.edges[u, v]["latency"] for u, v in zip(path, path[1:])))
+        for u, v in zip(path, path[1:]):
+            e = graph.edges[u, v]
+            raw = min(raw, e["bandwidth"] / load[(u, v)])
+            effective = min(effective, e["bandwidth"] * eff[e["kind"]] / load[(u, v)])
+    return raw, effective, latency
+
+
+# ---- known cases -------------------------------------------------------------------------------
+
+def test_ring_over_the_eight_tiles_of_one_smng_node(smng):
+    r = TopologyCommModel(smng).ring(8, 1)
+    assert r.raw_bandwidth_Bps == pytest.approx(15e9)  # Xe Link, ALCF measurement in the profile
+    assert r.bandwidth_Bps == pytest.approx(15e9 * 0.7)  # x node_efficiency
+    assert r.bottleneck == "node"
+    assert r.latency_s == pytest.approx(smng.node.node_link_latency_s)
+
+
+def test_data_parallel_one_tile_per_node_shares_the_nics(smng):
+    # stride 8, size 4: every tile of every node sends off-node at once; 2 HDR NICs of 25 GB/s
+    r = TopologyCommModel(smng).ring(4, 8)
+    assert r.raw_bandwidth_Bps == pytest.approx(2 * 25e9 / 8)  # 6.25e9
+    assert r.bandwidth_Bps == pytest.approx(6.25e9 * 0.8)  # x network_efficiency
+    assert r.bottleneck == "network" and r.flows == 4  # 4 tiles per NIC
+    assert r.latency_s == pytest.approx(smng.network.latency_s)
+
+
+def test_two_tiles_of_one_card_get_mdfi(smng):
+    r = TopologyCommModel(smng).ring(2, 1)
+    assert r.raw_bandwidth_Bps == pytest.approx(196e9)
+    assert r.bandwidth_Bps == pytest.approx(196e9 * 0.7)
+    assert r.bottleneck == "card"
+
+
+def test_dgx_a100_eight_gpu_ring_gets_nvlink(dgx):
+    r = TopologyCommModel(dgx).ring(8, 1)
+    assert r.raw_bandwidth_Bps == pytest.approx(300e9)
+    assert r.bandwidth_Bps == pytest.approx(300e9 * 0.775)
+
+
+def test_ring_across_nodes_on_dgx_leaves_through_one_nic(dgx):
+    # a rank-ordered ring over 16 GPUs has one off-node edge per node, through one GPU's own NIC
+    r = TopologyCommModel(dgx).ring(16, 1)
+    assert r.raw_bandwidth_Bps == pytest.approx(25e9)
+    assert r.bottleneck == "network"
+
+
+def test_odd_group_size_straddles_nodes(smng):
+    # tp=4, dp=35: some nodes hold the last member of one block and the first of the next, so all
+    # 8 tiles send off-node there: 4 per NIC (CommModel assumes 2 members per node: 12.5 GB/s)
+    r = TopologyCommModel(smng).ring(35, 4)
+    assert r.raw_bandwidth_Bps == pytest.approx(25e9 / 4)
+
+
+# ---- the model equals a brute force over whole machines, for every profile and many shapes ----
+
+SHAPES = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4), (16, 1), (8, 2), (4, 4), (2, 8), (4, 8),
+          (3, 8), (6, 4), (3, 4), (12, 2), (2, 16), (5, 8)]
+
+
+def odd_machine():
+    """12 devices per node in cards of 3, 3 NICs: placements that straddle cards and NICs."""
+    from dataclasses import replace
+    s = load_system("smng-p2")
+    return replace(s, node=replace(s.node, devices_per_node=12, devices_per_card=3),
+                   network=replace(s.network, nics_per_node=3))
+
+
+@pytest.mark.parametrize("name", PROFILES + ("odd",))
+def test_model_equals_brute_force(name):
+    system = odd_machine() if name == "odd" else load_system(name)
+    D = system.node.devices_per_node
+    model = TopologyCommModel(system)
+    for g, s in SHAPES:
+        world = math.lcm(g * s, D)
+        nodes = world // D
+        if nodes > 16:
+            continue
+        raw, eff, lat = brute_force(system, g, s, nodes)
+        r = model.ring(g, s)
+        assert r.raw_bandwidth_Bps == pytest.approx(raw), (name, g, s)
+        assert r.bandwidth_Bps == pytest.approx(eff), (name, g, s)
+        assert r.latency_s == pytest.approx(lat), (name, g, s)
+
+
+def test_same_shape_same_answer_on_any_number_of_nodes(smng):
+    model = TopologyCommModel(smng)
+    for g, s, node_counts in [(8, 1, (1, 2, 32)), (4, 2, (1, 4, 16)), (16, 1, (2, 4, 32)), (32, 8, (32,)),
+                              (4, 8, (4, 8, 32)), (35, 4, (35,))]:
+        for nodes in node_counts:
+            raw, eff, lat = brute_force(smng, g, s, nodes)
+            assert (raw, eff, lat) == pytest.approx((model.ring(g, s).raw_bandwidth_Bps,
+                                                     model.ring(g, s).bandwidth_Bps, model.ring(g, s).latency_s))
+    # the model has no node count: a plan's shapes on 1024 nodes are answered from the same cache
+    assert model.all_reduce(1e9, 1024, 8) == pytest.approx(2 * 1023 / 1024 * 1e9 / 5e9 + 2 * 1023 * 2e-6)
+
+
+@pytest.mark.parametrize("name", ["smng-p2", "v100-tacc", "dgx-a100"])
+def test_card_wiring_does_not_change_rings(name):
+    system = load_system(name)
+    switch = TopologyCommModel(system, card_topology="switch")
+    mesh = TopologyCommModel(system, card_topology="all-to-all")
+    for g, s in SHAPES:
+        a, b = switch.ring(g, s), mesh.ring(g, s)
+        assert (a.bandwidth_Bps, a.latency_s) == pytest.approx((b.bandwidth_Bps, b.latency_s))
+
+
+@pytest.mark.parametrize("name", ["smng-p2", "dgx-a100"])
+def test_own_router_equals_networkx(name):
+    system = load_system(name)
+    own, ref = TopologyCommModel(system), TopologyCommModel(system, router="networkx")
+    graph = build_graph(system, 2)
+    devices = [v for v in graph if v[0] == "device"]
+    for u in devices:
+        for v in devices:
+            if u != v:
+                assert [h[:2] for h in own.path(u, v)] == [h[:2] for h in ref.path(u, v)]
+    for g, s in SHAPES:
+        assert own.ring(g, s) == ref.ring(g, s)
+
+
+# ---- the graph --------------------------------------------------------------------------------
+
+def test_smng_graph_structure(smng):
+    g = build_graph(smng, 2)
+    kinds = [d["kind"] for _, _, d in g.edges(data=True)]
+    assert kinds.count("card") == 2 * 4  # one MDFI link per Max 1550
+    assert kinds.count("node") == 2 * (8 * 6 // 2)  # Xe Link between every two tiles on different cards
+    assert kinds.count("host") == 2 * 8 and kinds.count("network") == 2 * 2
+    assert g.edges[("device", 0, 0), ("device", 0, 1)]["bandwidth"] == 196e9
+    assert g.has_edge(("device", 0, 3), ("nic", 0, 0)) and g.has_edge(("device", 0, 4), ("nic", 0, 1))
+    assert g.edges[("nic", 1, 1), ("core",)]["bandwidth"] == 25e9
+
+
+def test_dgx_graph_has_a_switch(dgx):
+    g = build_graph(dgx, 1)
+    assert g.degree[("switch", 0)] == 8
+    assert not any(d["kind"] == "card" for _, _, d in g.edges(data=True))
+    assert all(g.has_edge(("device", 0, d), ("nic", 0, d)) for d in range(8))
+
+
+def test_oversubscription_scales_uplinks(dgx):
+    from dataclasses import replace
+    system = replace(dgx, network=replace(dgx.network, oversubscription=2.0))
+    assert TopologyCommModel(system).ring(4, 8).raw_bandwidth_Bps == pytest.approx(12.5e9)
+
+
+# ---- agreement with collectives.CommModel where that model is exact -----------------------------
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_link_agrees_with_simple_model_where_it_is_exact(name):
+    """Exact cases of the simple model: groups inside one card; groups inside one node (every ring
+    edge has its own link, the slowest class bounds the ring); one member per node (stride a
+    multiple of devices_per_node, NICs serving equal shares of devices)."""
+    system = load_system(name)
+    D = system.node.devices_per_node
+    topo, simple = TopologyCommModel(system), CommModel(system)
+    cases = [(g, s) for g, s in SHAPES if g * s <= D and D % (g * s) == 0]
+    cases += [(g, k * D) for g in (2, 3, 4, 64) for k in (1, 2, 3)]
+    for g, s in cases:
+        assert topo.link(g, s)[0] == pytest.approx(simple.link(g, s)[0]), (g, s)
+        assert topo.link(g, s)[1] == pytest.approx(simple.link(g, s)[1]), (g, s)
+
+
+def test_collectives_agree_with_simple_model_when_the_ring_is_best(dgx):
+    topo, simple = TopologyCommModel(dgx), CommModel(dgx)
+    n = np.array([1e3, 1e6, 1e9])
+    for g, s in [(8, 1), (4, 2), (2, 4), (4, 8), (64, 8)]:
+        assert topo.all_reduce(n, g, s) == pytest.approx(simple.all_reduce(n, g, s))
+        assert topo.all_gather(n, g, s) == pytest.approx(simple.all_gather(n, g, s))
+        assert topo.broadcast(n, g, s) == pytest.approx(simple.broadcast(n, g, s))
+    # across nodes, NCCL-style channels use every GPU's NIC, as the simple model assumes
+    assert topo.all_reduce(1e9, 16, 1) == pytest.approx(simple.all_reduce(1e9, 16, 1))
+
+
+# ---- algorithms ---------------------------------------------------------------------------------
+
+def test_hierarchical_all_reduce_inside_an_smng_node(smng):
+    """8 tiles: reduce-scatter over MDFI pairs, all-reduce of n/2 over Xe Link among the 4 cards
+    (two rings, one per tile index, on separate links), all-gather over MDFI."""
+    model = TopologyCommModel(smng)
+    n = 1e9
+    mdfi, xe = 196e9 * 0.7, 15e9 * 0.7
+    pair = 0.5 * n / mdfi + 5e-6
+    across = 2 * 3 / 4 * (n / 2) / xe + 2 * 3 * 10e-6
+    flat = 2 * 7 / 8 * n / xe + 2 * 7 * 10e-6
+    assert model.all_reduce(n, 8, 1) == pytest.approx(2 * pair + across)
+    assert model.all_reduce(n, 8, 1) < flat
+    assert model.algorithm("all_reduce", n, 8, 1).startswith("hierarchical")
+
+
+def test_no_algorithm_is_slower_than_the_flat_ring():
+    for name in PROFILES:
+        model = TopologyCommModel(load_system(name))
+        for g, s in SHAPES + [(64, 8), (128, 1), (16, 4)]:
+            for n in (1e2, 1e6, 1e10):
+                bw, lat = model.link(g, s)
+                assert model.all_reduce(n, g, s) <= 2 * (g - 1) / g * n / bw + 2 * (g - 1) * lat + 1e-15
+                assert model.reduce_scatter(n, g, s) <= (g - 1) / g * n / bw + (g - 1) * lat + 1e-15
+
+
+def test_small_messages_pick_by_latency_large_by_bandwidth(dgx):
+    model = TopologyCommModel(dgx)
+    small, large = model.algorithm("all_reduce", 1e3, 16, 1), model.algorithm("all_reduce", 1e10, 16, 1)
+    assert small != large  # the choice depends on the size, as in NCCL's tuner
+    assert model.all_reduce(1e3, 16, 1) < 2 * 15 * model.link(16, 1)[1] + 1e-3
+
+
+def test_pipeline_send_and_summa_broadcast(smng):
+    model = TopologyCommModel(smng)
+    # pipeline stages one node apart: every tile of a middle stage sends off-node, 4 per NIC
+    assert model.send(1e8, 4, 8) == pytest.approx(1e8 / 5e9 + 2e-6)
+    # pipeline stages inside a node, 2 tiles apart: Xe Link, one flow per link
+    assert model.send(1e8, 4, 2) == pytest.approx(1e8 / (15e9 * 0.7) + 10e-6)
+    # pipelined broadcast along a row of 4 cards: n / B + (g-1) alpha
+    assert model.broadcast(1e8, 4, 2) == pytest.approx(1e8 / (15e9 * 0.7) + 3 * 10e-6)
+    assert model.reduce(1e8, 2, 1) == pytest.approx(1e8 / (196e9 * 0.7) + 5e-6)
+
+
+# ---- interface ----------------------------------------------------------------------------------
+
+def test_numpy_arrays_match_scalar_calls(smng):
+    model = TopologyCommModel(smng)
+    n = np.array([1e6, 2e6, 3e9, 1e3, 5e5])
+    g = np.array([8, 1, 4, 16, 8])
+    s = np.array([1, 8, 8, 1, 1])
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send"):
+        fn = getattr(model, op)
+        vector = fn(n, g, s)
+        assert vector.shape == (5,)
+        expected = [float(fn(n[i], g[i], s[i])) for i in range(5)]
+        assert vector == pytest.approx(expected)
+    assert model.all_reduce(1e9, 1, 8) == 0.0
+    bw, lat = model.link(np.array([[1, 2], [8, 4]]), np.array([[1, 1], [1, 8]]))
+    assert bw.shape == (2, 2) and math.isinf(bw[0, 0]) and lat[0, 0] == 0.0
+
+
+def test_fast_path_does_not_import_networkx():
+    code = ("import sys, time; t = time.perf_counter();"
+            "from perfsim.cost.topology import TopologyCommModel; from perfsim.spec.system import load_system;"
+            "m = TopologyCommModel(load_system('smng-p2')); m.all_reduce(1e9, 8, 1); m.all_reduce(1e9, 64, 8);"
+            "assert 'networkx' not in sys.modules, 'networkx imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_node_patterns_python_and_numpy_agree(monkeypatch):
+    shapes = [(g, s) for g in range(2, 12) for s in range(1, 20)]
+    small = {(g, s, w): node_patterns(8, g, s, w) for g, s in shapes for w in (True, False)}
+    monkeypatch.setattr(topology, "_PYTHON_PATTERN_LIMIT", 0)
+    for (g, s, w), rows in small.items():
+        assert sorted(node_patterns(8, g, s, w)) == sorted(rows), (g, s, w)
