@@ -46,7 +46,9 @@ class Columns:
 
 
 def columns_of(plan: Plan) -> Columns:
-    return Columns(tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, mbs=plan.mbs, gbs=plan.gbs,
+    """Sizes as floats: products of several large sizes stay finite instead of overflowing int64."""
+    return Columns(tp=float(plan.tp), pp=float(plan.pp), dp=float(plan.dp), vpp=float(plan.vpp), mbs=float(plan.mbs),
+                   gbs=float(plan.gbs),
                    sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
                    tp_mode=plan.tp_mode, order=plan.order, tp_axes=plan.tp_axes)
@@ -56,7 +58,7 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     """Plans sharing tp_mode, order and tp_axes, as arrays."""
     first = plans[0]
     one = [columns_of(p) for p in plans]
-    arrays = {name: np.array([getattr(c, name) for c in one])
+    arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
                                 "tp_depth", "regather")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)

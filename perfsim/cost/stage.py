@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from perfsim.cost import tensor_parallel as tpc
-from perfsim.cost.collectives import CommModel
+from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
 from perfsim.cost.data_parallel import microbatch_reduction_time
 from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perfsim.cost.collectives import CommModel
+from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time
 from perfsim.cost.stage import StageCosts
