@@ -143,7 +143,19 @@ def make_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profiles", help="list system profiles and model presets")
     prof.add_argument("--json", action="store_true")
     prof.set_defaults(run=cmd_profiles)
+    for module in _command_modules():
+        module.register(sub)
     return parser
+
+
+def _command_modules():
+    import importlib
+    import pkgutil
+
+    from perfsim import commands
+
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
+    return [importlib.import_module(f"perfsim.commands.{name}") for name in names]
 
 
 def main(argv=None) -> int:
