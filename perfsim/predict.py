@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from perfsim.cost import counts
-from perfsim.cost.columns import columns_of
+from perfsim.cost.columns import FULL, SELECTIVE, Columns, columns_of
 from perfsim.cost.memory import peak_memory
 from perfsim.cost.stage import stage_costs
 from perfsim.errors import PerfsimError
@@ -64,6 +66,34 @@ def peak_flops(system: System, dtype: str) -> float:
     return getattr(system.device, f"peak_flops_{dtype}")
 
 
+MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "total")
+
+
+def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") -> dict:
+    """Every number of a prediction for the plans in `c` (numbers or numpy arrays): the one
+    computation behind both `predict` and the search. Plans must be valid."""
+    peak = peak_flops(system, dtype)
+    step, breakdown = step_time(model, system, c, stage_costs(model, system, c, peak))
+    memory = peak_memory(model, system, c)
+    recompute = np.where(c.recompute == FULL, counts.recompute_flops_per_sample(model, "full"),
+                         np.where(c.recompute == SELECTIVE, counts.recompute_flops_per_sample(model, "selective"), 0.0))
+    model_flops = c.gbs * counts.model_flops_per_sample(model, c.tp)
+    ds_flops = c.gbs * np.where(c.recompute == FULL, counts.megatron_ds_flops_per_sample(model, c.tp, True),
+                                counts.megatron_ds_flops_per_sample(model, c.tp, False))
+    per_device = step * c.tp * c.pp * c.dp
+    return {
+        "step_time_s": step, "tokens_per_s": c.gbs * model.seq / step, "samples_per_s": c.gbs / step,
+        "model_flops_per_step": model_flops, "hardware_flops_per_step": model_flops + c.gbs * recompute,
+        "model_tflops_per_device": model_flops / per_device / 1e12,
+        "hardware_tflops_per_device": (model_flops + c.gbs * recompute) / per_device / 1e12,
+        "megatron_ds_tflops_per_device": ds_flops / per_device / 1e12,
+        "mfu": model_flops / per_device / peak, "hfu": (model_flops + c.gbs * recompute) / per_device / peak,
+        "time_breakdown_s": breakdown, "memory_bytes": {k: memory[k] for k in MEMORY_KEYS},
+        "memory_peak_stage": memory["stage"], "fits": memory["total"] <= system.device.memory_bytes,
+        "peak_flops": peak,
+    }
+
+
 def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str = "bf16") -> Prediction:
     """Predict one training step of `model` on `system` under `plan` (names are loaded)."""
     model = load_model(model) if isinstance(model, str) else model
@@ -71,30 +101,14 @@ def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str
     problems = plan_problems(plan, model)
     if problems:
         raise PerfsimError("; ".join(problems))
-    peak = peak_flops(system, dtype)
-    c = columns_of(plan)
-    step, breakdown = step_time(model, system, c, stage_costs(model, system, c, peak))
-    step = float(step)
-    memory = peak_memory(model, system, c)
-
-    vocab_tp = plan.tp
-    model_flops = plan.gbs * counts.model_flops_per_sample(model, vocab_tp)
-    hardware_flops = model_flops + plan.gbs * counts.recompute_flops_per_sample(model, plan.recompute)
-    ds_flops = plan.gbs * counts.megatron_ds_flops_per_sample(model, vocab_tp, plan.recompute == "full")
-    per_device = step * plan.devices
-    total = float(memory["total"])
+    r = evaluate(model, system, columns_of(plan), dtype)
+    scalar = {k: float(r[k]) for k in ("step_time_s", "tokens_per_s", "samples_per_s", "model_flops_per_step",
+                                       "hardware_flops_per_step", "model_tflops_per_device",
+                                       "hardware_tflops_per_device", "megatron_ds_tflops_per_device", "mfu", "hfu")}
     return Prediction(
-        devices=plan.devices, step_time_s=step, tokens_per_s=plan.gbs * model.seq / step,
-        samples_per_s=plan.gbs / step, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
-        model_tflops_per_device=model_flops / per_device / 1e12,
-        hardware_tflops_per_device=hardware_flops / per_device / 1e12,
-        megatron_ds_tflops_per_device=ds_flops / per_device / 1e12,
-        mfu=model_flops / per_device / peak, hfu=hardware_flops / per_device / peak,
-        peak_tflops_per_device=peak / 1e12,
-        time_breakdown_s={k: float(v) for k, v in breakdown.items()},
-        memory_bytes={k: float(memory[k]) for k in ("weights", "gradients", "optimizer", "activations", "buffers", "total")},
-        memory_peak_stage=str(memory["stage"]), device_memory_bytes=system.device.memory_bytes,
-        fits=total <= system.device.memory_bytes, plan=plan, model=model, system=system, dtype=dtype,
+        devices=plan.devices, **scalar, peak_tflops_per_device=r["peak_flops"] / 1e12,
+        time_breakdown_s={k: float(v) for k, v in r["time_breakdown_s"].items()},
+        memory_bytes={k: float(v) for k, v in r["memory_bytes"].items()},
+        memory_peak_stage=str(r["memory_peak_stage"]), device_memory_bytes=system.device.memory_bytes,
+        fits=bool(r["fits"]), plan=plan, model=model, system=system, dtype=dtype,
     )
-
-

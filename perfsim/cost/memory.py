@@ -59,7 +59,7 @@ def layout_activation_bytes(model: ModelSpec, layout, b, recompute):
     ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
     if layout.mode != "3d":
         return activation_bytes(model, b, layout.split, layout.region_split, recompute)
-    keep = np.where(layout.regather | (layout.q == 1), 0, 1)  # one device gathers nothing
+    keep = np.where((layout.regather > 0) | (layout.q == 1), 0, 1)  # one device gathers nothing
     linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
     weights = keep * BF16 * linear_weights / layout.q**2
     inputs = np.where(keep, layout.q**2, layout.size)

@@ -1,0 +1,73 @@
+"""`perfsim scale`: weak or strong scaling of one plan over node counts (perfsim/scaling.py)."""
+
+from __future__ import annotations
+
+import json
+
+from perfsim.errors import PerfsimError
+
+# The SMNG-P2 authors' scaling protocol (shared/reference/published.md): 175B, TP 8, PP 16, micro-batch
+# 3, ZeRO-1, full recomputation; weak keeps 100 micro-batches per pipeline, strong a global batch of 2520.
+PROTOCOL_MICROBATCHES = 100
+PROTOCOL_STRONG_GBS = 2520
+
+
+def register(sub) -> None:
+    from perfsim.cli import _add_plan_flags
+
+    p = sub.add_parser("scale", help="weak or strong scaling of a plan over node counts")
+    p.add_argument("--model", help="preset, key=value spec or .toml (default: gpt3-175b, with the SMNG-P2 protocol)")
+    p.add_argument("--system", help="profile name or .toml path (default: smng-p2)")
+    p.add_argument("--nodes", default="16,32,64,128", help="comma-separated node counts, first is the base (default 16,32,64,128)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--weak", action="store_true", help="global batch grows with data parallelism")
+    how.add_argument("--strong", action="store_true", help="global batch fixed")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    _add_plan_flags(p)
+    p.add_argument("--json", action="store_true", help='one JSON object {"points": [...]}')
+    p.set_defaults(run=run, devices=None)
+
+
+def _node_list(text: str) -> list[int]:
+    try:
+        nodes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PerfsimError(f"--nodes must be comma-separated whole numbers, got {text!r}") from None
+    if not nodes or any(n < 1 for n in nodes):
+        raise PerfsimError(f"--nodes must list positive node counts, got {text!r}")
+    return nodes
+
+
+def run(args) -> None:
+    from perfsim.cli import BUILTIN_CASE, build_case
+    from perfsim.scaling import scale
+    from perfsim.spec.system import load_system
+
+    nodes = _node_list(args.nodes)
+    args.nodes = nodes[0]
+    if args.model is None and args.system is None:  # the protocol: the built-in case's plan and scaling rules
+        per_node = load_system(BUILTIN_CASE["system"]).node.devices_per_node
+        for key, value in BUILTIN_CASE["plan"].items():
+            if key != "gbs" and getattr(args, key) is None:
+                setattr(args, key, value)
+        if args.gbs is None:
+            dp = nodes[0] * per_node // (args.tp * args.pp)
+            args.gbs = PROTOCOL_MICROBATCHES * args.mbs * dp if args.weak else PROTOCOL_STRONG_GBS
+        args.model, args.system = BUILTIN_CASE["model"], BUILTIN_CASE["system"]
+    model, system, base = build_case(args)
+    points = scale(model, system, base, nodes, weak=args.weak, dtype=args.dtype)
+    if args.json:
+        print(json.dumps({"mode": "weak" if args.weak else "strong", "model": model.name, "system": system.name,
+                          "points": [p.as_json() for p in points]}, indent=2))
+        return
+    kind = "weak" if args.weak else "strong"
+    print(f"{kind} scaling of {model.name} on {system.name}: TP {base.tp} {base.tp_mode}, PP {base.pp}, "
+          f"micro-batch {base.mbs}, ZeRO-{base.zero}, recompute {base.recompute}")
+    terms = list(points[-1].loss_points)
+    print(f"{'nodes':>6} {'devices':>8} {'batch':>6} {'step':>9} {'tokens/s':>11} {'eff':>7}   "
+          + "  ".join(f"{k:>9}" for k in terms))
+    for p in points:
+        pr = p.prediction
+        print(f"{p.nodes:>6} {pr.devices:>8} {pr.plan.gbs:>6} {pr.step_time_s:>8.2f}s {pr.tokens_per_s:>11,.0f} "
+              f"{p.efficiency:>7.1%}   " + "  ".join(f"{p.loss_points[k]:>+8.1f}p" for k in terms))
+    print("after eff: points of efficiency each term costs against the first point (they add up to 100 - eff)")

@@ -1,0 +1,95 @@
+"""`perfsim search`: the best plans for a model on a machine (perfsim/search.py)."""
+
+from __future__ import annotations
+
+import json
+
+from perfsim.errors import PerfsimError
+
+
+def register(sub) -> None:
+    from perfsim.cli import _positive
+
+    p = sub.add_parser("search", help="find the best parallel plans for a model, system and device count")
+    p.add_argument("--model", required=True, help="preset name, key=value spec, or .toml file")
+    p.add_argument("--system", required=True, help="profile name in hwprofiles/ or a .toml path")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nodes", type=_positive)
+    where.add_argument("--devices", type=_positive)
+    p.add_argument("--gbs", type=_positive, required=True, help="global batch size (sequences)")
+    p.add_argument("--top", type=_positive, default=10, help="how many plans to show (default 10)")
+    p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                   help="restrict a knob (plan field names): tp_mode=1d, zero=1, pp=8,16, mbs=1..4, sp=true; repeatable")
+    p.add_argument("--rank", default="throughput", choices=("throughput", "time-to-train", "device-hours", "memory-headroom"),
+                   help="order of the results; for a fixed device count the first three agree (default throughput)")
+    p.add_argument("--tokens", type=float, default=300e9,
+                   help="training tokens for the time-to-train and device-hours columns (default 300e9)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
+    out.add_argument("--csv", action="store_true", help="the top plans as CSV")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args) -> None:
+    from perfsim.search import parse_fixes, search, stderr_progress
+    from perfsim.spec.model import load_model
+    from perfsim.spec.system import load_system
+
+    model, system = load_model(args.model), load_system(args.system)
+    devices = args.devices if args.devices is not None else args.nodes * system.node.devices_per_node
+    if args.tokens <= 0:
+        raise PerfsimError(f"--tokens must be positive, got {args.tokens:g}")
+    result = search(model, system, devices, args.gbs, parse_fixes(args.fix), top=args.top, rank=args.rank,
+                    dtype=args.dtype, progress=None if args.quiet else stderr_progress)
+    if args.json:
+        print(json.dumps({"evaluated": result.evaluated, "feasible": result.feasible, "candidates": result.candidates,
+                          "seconds": result.seconds, "rejected": result.rejected,
+                          "plans": [p.as_json() for p in result.plans],
+                          "pareto": [p.as_json() for p in result.pareto]}, indent=2))
+    elif args.csv:
+        print(_csv(result.plans, args.tokens))
+    else:
+        print(_table(result, model, system, devices, args))
+
+
+def _summary(p) -> str:
+    plan = p.plan
+    mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
+        + (" regather" if plan.tp_regather else "")
+    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "")
+    return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
+            f"recompute {plan.recompute}, {plan.order}")
+
+
+def _table(result, model, system, devices, args) -> str:
+    lines = [f"{model.name} on {devices} x {system.device.name} ({system.name}), global batch {args.gbs}",
+             f"{result.candidates:,} candidates, {result.evaluated:,} valid plans evaluated in {result.seconds:.2f} s "
+             f"({result.evaluated / max(result.seconds, 1e-9):,.0f} plans/s), {result.feasible:,} fit in memory",
+             "rejected: " + "; ".join(f"{r} {n:,}" for r, n in sorted(result.rejected.items(), key=lambda kv: -kv[1])),
+             "", f"{'#':>3} {'tokens/s':>12} {'step':>9} {'MFU':>6} {'memory':>9}  plan"]
+    for i, p in enumerate(result.plans, 1):
+        lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s:>8.2f}s {p.mfu:>6.1%} "
+                     f"{p.memory_bytes['total'] / 2**30:>6.1f} GiB  {_summary(p)}")
+    lines += ["", "Pareto front (no plan is both faster and smaller):"]
+    for p in result.pareto:
+        lines.append(f"    {p.tokens_per_s:>12,.0f} tokens/s at {p.memory_bytes['total'] / 2**30:6.1f} GiB  {_summary(p)}")
+    return "\n".join(lines)
+
+
+def _csv(plans, tokens: float) -> str:
+    import csv
+    import io
+
+    out = io.StringIO()
+    fields = ["rank", "tokens_per_s", "step_time_s", "mfu", "memory_gib", "days_to_train", "device_hours"] + \
+        list(plans[0].plan.as_dict()) if plans else []
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(fields)
+    for i, p in enumerate(plans, 1):
+        seconds = tokens / p.tokens_per_s
+        writer.writerow([i, f"{p.tokens_per_s:.1f}", f"{p.step_time_s:.4f}", f"{p.mfu:.4f}",
+                         f"{p.memory_bytes['total'] / 2**30:.2f}", f"{seconds / 86400:.2f}",
+                         f"{seconds / 3600 * p.devices:.0f}"] + list(p.plan.as_dict().values()))
+    return out.getvalue().rstrip("\n")

@@ -1,0 +1,261 @@
+"""Plan search: enumerate every plan for a model, system, device count and global batch, reject
+the invalid ones by reason, evaluate the rest in vectorised batches, rank the ones that fit.
+
+The space: tensor-parallel mode and size (1d with and without SP, 2d, 2.5d with every depth,
+3d keeping or re-gathering), pipeline size, schedule (GPipe, 1F1B, interleaved with every chunk
+count), data-parallel size (the rest of the devices), ZeRO stage, micro-batch size (divisors of
+the global batch), recomputation, and rank placement order. Validity rules are the vectorised
+twins of spec.plan.plan_problems (tests/test_search.py checks they agree plan by plan).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from perfsim.cost.columns import INTERLEAVED, Columns
+from perfsim.errors import PerfsimError
+from perfsim.predict import Prediction, evaluate, predict
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.plan import DIMENSIONS, RECOMPUTE, SCHEDULES, TP_MODES, Plan
+from perfsim.spec.system import System
+
+INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs")
+BOOL_KNOBS = ("sp", "tp_regather")
+TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
+              "order": tuple("-".join(p) for p in itertools.permutations(DIMENSIONS))}
+RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
+BATCH = 1 << 20  # plans evaluated per vectorised call
+
+
+def parse_fixes(items: list[str]) -> dict:
+    """`KNOB=VALUE`, `KNOB=V1,V2` or `KNOB=LOW..HIGH` (whole numbers) into knob -> allowed set."""
+    fixes: dict = {}
+    for item in items:
+        knob, sep, text = item.partition("=")
+        knob = knob.strip().replace("-", "_")
+        if not sep or not text:
+            raise PerfsimError(f"--fix {item!r}: expected KNOB=VALUE, e.g. --fix tp_mode=1d --fix zero=1 --fix pp=8..32")
+        values = set()
+        for part in text.split(","):
+            part = part.strip()
+            if knob in INT_KNOBS:
+                low, dots, high = part.partition("..")
+                try:
+                    values |= set(range(int(low), int(high) + 1)) if dots else {int(part)}
+                except ValueError:
+                    raise PerfsimError(f"--fix {item!r}: {knob} takes whole numbers or LOW..HIGH") from None
+            elif knob in BOOL_KNOBS:
+                if part.lower() not in ("true", "false", "1", "0"):
+                    raise PerfsimError(f"--fix {item!r}: {knob} takes true or false")
+                values.add(part.lower() in ("true", "1"))
+            elif knob in TEXT_KNOBS:
+                if part not in TEXT_KNOBS[knob]:
+                    raise PerfsimError(f"--fix {item!r}: {knob} must be one of {', '.join(TEXT_KNOBS[knob])}")
+                values.add(part)
+            else:
+                known = ", ".join(INT_KNOBS + BOOL_KNOBS + tuple(TEXT_KNOBS))
+                raise PerfsimError(f"--fix {item!r}: unknown knob {knob!r}; knobs: {known} (gbs is --gbs)")
+        fixes[knob] = fixes[knob] & values if knob in fixes else values
+        if not fixes[knob]:
+            raise PerfsimError(f"--fix gives {knob} no value that all its --fix flags allow")
+    return fixes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(fixes: dict, knob: str, values):
+    return [v for v in values if knob not in fixes or v in fixes[knob]]
+
+
+def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
+    """(mode, tp, depth, sp, regather) for every tensor-parallel layout with tp dividing devices."""
+    configs = []
+    for tp in _allowed(fixes, "tp", _divisors(devices)):
+        if tp == 1:  # every mode is the same plan on one device: keep it once, as 1d
+            configs.append(("1d", 1, 1, False, False))
+            continue
+        configs += [("1d", tp, 1, sp, False) for sp in (False, True)]
+        q2 = round(tp ** 0.5)
+        if q2 * q2 == tp:
+            configs.append(("2d", tp, 1, False, False))
+        q3 = round(tp ** (1 / 3))
+        if q3 ** 3 == tp:
+            configs += [("3d", tp, 1, False, regather) for regather in (False, True)]
+        for depth in range(2, tp + 1):
+            q = round((tp / depth) ** 0.5) if tp % depth == 0 else 0
+            if q > 1 and q * q * depth == tp:
+                configs.append(("2.5d", tp, depth, False, False))
+    return [c for c in configs
+            if ("tp_mode" not in fixes or c[0] in fixes["tp_mode"])
+            and ("tp_depth" not in fixes or c[2] in fixes["tp_depth"])
+            and ("sp" not in fixes or c[3] in fixes["sp"])
+            and ("tp_regather" not in fixes or c[4] in fixes["tp_regather"])]
+
+
+def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
+    """(schedule index, vpp): GPipe and 1F1B, and interleaved with every chunk count dividing the stage."""
+    out = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b")]
+    if pp > 1 and model.layers % pp == 0:
+        stage = model.layers // pp
+        out += [(SCHEDULES.index("interleaved"), v) for v in range(2, stage + 1) if stage % v == 0]
+    return [(s, v) for s, v in out
+            if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"]) and ("vpp" not in fixes or v in fixes["vpp"])]
+
+
+def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
+    """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode."""
+    zeros = _allowed(fixes, "zero", (0, 1, 2, 3))
+    recomputes = [RECOMPUTE.index(r) for r in _allowed(fixes, "recompute", RECOMPUTE)]
+    mbs_all = _allowed(fixes, "mbs", _divisors(gbs))
+    by_mode: dict = {}
+    for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
+        for pp in _allowed(fixes, "pp", _divisors(devices // tp)):
+            dp = devices // (tp * pp)
+            if "dp" in fixes and dp not in fixes["dp"]:
+                continue
+            for (schedule, vpp), mbs in itertools.product(_schedules(model, pp, fixes), mbs_all):
+                by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs))
+    for mode, rows in by_mode.items():
+        head = np.array(rows, dtype=float)
+        inner = np.array(list(itertools.product(zeros, recomputes)), dtype=float).reshape(-1, 2)
+        table = np.repeat(head, len(inner), axis=0)
+        tail = np.tile(inner, (len(head), 1))
+        cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs"), table.T))
+        cols.update(zero=tail[:, 0], recompute=tail[:, 1], gbs=np.full(len(table), float(gbs)))
+        yield mode, cols
+
+
+def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str, np.ndarray]]:
+    """(reason, invalid mask) in the order plan_problems checks them; the first that applies counts."""
+    tp, pp, dp, mbs, vpp, gbs = (cols[k] for k in ("tp", "pp", "dp", "mbs", "vpp", "gbs"))
+    reasons = []
+    if mode == "1d":
+        reasons.append(("tp does not divide the attention heads", (model.heads % tp != 0)
+                        | (model.kv_head_count % tp != 0)))
+        reasons.append(("tp does not divide the MLP width", model.ffn_size % tp != 0))
+        reasons.append(("sequence parallelism: tp does not divide the sequence", (cols["sp"] == 1) & (model.seq % tp != 0)))
+    else:
+        depth = cols["tp_depth"]
+        q = np.rint(np.cbrt(tp)) if mode == "3d" else np.rint(np.sqrt(tp / depth))
+        rows = q * q if mode == "3d" else (depth * q if mode == "2.5d" else q)
+        weight_rows = q * q if mode == "3d" else q
+        reasons.append((f"{mode}: the micro-batch is not divisible by the grid's row split", mbs % rows != 0))
+        reasons.append((f"{mode}: the grid does not divide hidden or MLP width",
+                        (model.hidden % weight_rows != 0) | (model.ffn_size % weight_rows != 0)))
+        reasons.append((f"{mode}: the grid does not divide the heads", (model.heads % q != 0) | (model.kv_head_count % q != 0)))
+    reasons.append(("pp x vpp does not divide the layers", model.layers % (pp * vpp) != 0))
+    reasons.append(("the interleaved schedule needs pp of 2 or more", (cols["schedule"] == INTERLEAVED) & (pp < 2)))
+    reasons.append(("global batch not divisible by mbs x dp", gbs % (mbs * dp) != 0))
+    micro = gbs // (mbs * dp)
+    reasons.append(("interleaved: micro-batches not a multiple of pp",
+                    (cols["schedule"] == INTERLEAVED) & (micro % pp != 0)))
+    return reasons
+
+
+@dataclass
+class SearchResult:
+    evaluated: int
+    feasible: int
+    rejected: dict
+    plans: list = field(default_factory=list)  # Predictions, best first
+    pareto: list = field(default_factory=list)  # Predictions: no other plan is faster and smaller
+    seconds: float = 0.0
+    candidates: int = 0
+
+
+def _plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
+    return Plan(tp=int(cols["tp"][i]), tp_mode=mode, tp_depth=int(cols["tp_depth"][i]), sp=bool(cols["sp"][i]),
+                pp=int(cols["pp"][i]), vpp=int(cols["vpp"][i]), schedule=SCHEDULES[int(cols["schedule"][i])],
+                dp=int(cols["dp"][i]), zero=int(cols["zero"][i]), mbs=int(cols["mbs"][i]), gbs=int(cols["gbs"][i]),
+                recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]))
+
+
+def _score(rank: str, r: dict, capacity: float):
+    if rank == "memory-headroom":
+        return capacity - r["memory_bytes"]["total"]
+    return r["tokens_per_s"]  # for a fixed device count, time-to-train and device-hours rank the same
+
+
+def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None, top: int = 10,
+           rank: str = "throughput", dtype: str = "bf16", progress=None) -> SearchResult:
+    fixes = fixes or {}
+    if rank not in RANKINGS:
+        raise PerfsimError(f"rank must be one of {', '.join(RANKINGS)}, got {rank!r}")
+    start = time.perf_counter()
+    rejected: dict = {}
+    evaluated = feasible = 0
+    kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
+    orders = _allowed(fixes, "order", TEXT_KNOBS["order"])
+    groups = list(candidates(model, devices, gbs, fixes))
+    space = sum(len(cols["tp"]) for _, cols in groups) * len(orders)
+    for mode, cols in groups:
+        n = len(cols["tp"])
+        invalid = np.zeros(n, dtype=bool)
+        for reason, mask in rejection_reasons(model, mode, cols):
+            new = mask & ~invalid
+            if new.any():
+                rejected[reason] = rejected.get(reason, 0) + int(new.sum()) * len(orders)
+            invalid |= mask
+        valid = np.flatnonzero(~invalid)
+        for order, chunk in itertools.product(orders, range(0, len(valid), BATCH)):
+            index = valid[chunk: chunk + BATCH]
+            sub = {k: v[index] for k, v in cols.items()}
+            c = Columns(tp=sub["tp"], pp=sub["pp"], dp=sub["dp"], vpp=sub["vpp"], mbs=sub["mbs"], gbs=sub["gbs"],
+                        sp=sub["sp"], zero=sub["zero"], recompute=sub["recompute"], schedule=sub["schedule"],
+                        tp_depth=sub["tp_depth"], regather=sub["regather"], tp_mode=mode, order=order)
+            r = evaluate(model, system, c, dtype)
+            evaluated += len(index)
+            fits = np.asarray(r["fits"], dtype=bool)
+            if (~fits).any():
+                rejected["does not fit in device memory"] = rejected.get("does not fit in device memory", 0) + int((~fits).sum())
+            feasible += int(fits.sum())
+            ok = np.flatnonzero(fits)
+            if len(ok):
+                score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
+                speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
+                best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
+                chosen = set(best.tolist()) | set(ok[_pareto(speed, memory)].tolist())
+                position = {int(i): j for j, i in enumerate(ok)}
+                kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
+                          float(memory[position[i]])) for i in chosen]
+            if progress and space > 1_000_000:
+                progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
+    seconds = time.perf_counter() - start
+    if feasible == 0:
+        raise PerfsimError(_nothing_fits(evaluated, rejected, devices, gbs))
+    kept.sort(key=lambda k: -k[0])
+    plans = [predict(model, system, _plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in kept[:top]]
+    speed = np.array([k[5] for k in kept])
+    memory = np.array([k[6] for k in kept])
+    front = sorted((kept[i] for i in _pareto(speed, memory)), key=lambda k: k[6])
+    pareto = [predict(model, system, _plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in front]
+    return SearchResult(evaluated, feasible, rejected, plans, pareto, seconds, space)
+
+
+def _pareto(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    """Indices of points no other point beats in both throughput (higher) and memory (lower)."""
+    order = np.lexsort((-speed, memory))
+    best = np.maximum.accumulate(speed[order])
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = speed[order][1:] > best[:-1]
+    return order[keep]
+
+
+def _nothing_fits(evaluated: int, rejected: dict, devices: int, gbs: int) -> str:
+    top = ", ".join(f"{reason} ({count:,})" for reason, count in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
+    if evaluated == 0:
+        return (f"no valid plan for {devices} devices and global batch {gbs}: every candidate was rejected ({top}); "
+                "relax --fix, or change the device count or --gbs")
+    return (f"none of the {evaluated:,} valid plans fits in device memory ({top}); use more devices, "
+            "a smaller --gbs, or allow recomputation and higher ZeRO stages")
+
+
+def stderr_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

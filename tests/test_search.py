@@ -1,0 +1,126 @@
+"""perfsim search: the vectorised validity rules agree with plan_problems, the ranking agrees with
+predict, the authors' SMNG-P2 plan ranks in the top 10 of their space, and bad input is one line."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+import perfsim
+from perfsim.cli import main
+from perfsim.cost.columns import columns_of
+from perfsim.search import candidates, parse_fixes, rejection_reasons, search
+
+MODEL = perfsim.load_model("gpt3-1.3b")
+SYSTEM = perfsim.load_system("dgx-a100")
+
+
+def _plan(mode, cols, i, order="tp-dp-pp"):
+    from perfsim.search import _plan_at
+
+    return _plan_at(mode, order, cols, i)
+
+
+def test_vectorised_rules_agree_with_plan_problems():
+    rng = random.Random(7)
+    checked = 0
+    for mode, cols in candidates(MODEL, 32, 64, {}):
+        invalid = np.zeros(len(cols["tp"]), dtype=bool)
+        for _, mask in rejection_reasons(MODEL, mode, cols):
+            invalid |= mask
+        for i in rng.sample(range(len(invalid)), min(150, len(invalid))):
+            plan = _plan(mode, cols, i)
+            assert bool(invalid[i]) == bool(perfsim.plan_problems(plan, MODEL)), (plan, perfsim.plan_problems(plan, MODEL))
+            checked += 1
+    assert checked > 300
+
+
+def test_search_ranks_by_throughput_and_matches_predict():
+    result = search(MODEL, SYSTEM, 16, 64, top=5)
+    speeds = [p.tokens_per_s for p in result.plans]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 5
+    for p in result.plans:
+        again = perfsim.predict(MODEL, SYSTEM, p.plan)
+        assert again.step_time_s == pytest.approx(p.step_time_s) and p.fits
+    assert result.evaluated >= result.feasible > 0
+    assert sum(result.rejected.values()) + result.feasible == result.candidates
+
+
+def test_search_finds_the_best_plan_brute_force_would():
+    """Every valid plan predicted one by one: the search's first plan is the fastest that fits."""
+    fixes = parse_fixes(["zero=1", "recompute=full", "order=tp-dp-pp", "schedule=1f1b"])
+    result = search(MODEL, SYSTEM, 8, 32, fixes, top=1)
+    best = None
+    for mode, cols in candidates(MODEL, 8, 32, fixes):
+        for i in range(len(cols["tp"])):
+            plan = _plan(mode, cols, i)
+            if perfsim.plan_problems(plan, MODEL):
+                continue
+            p = perfsim.predict(MODEL, SYSTEM, plan)
+            if p.fits and (best is None or p.tokens_per_s > best.tokens_per_s):
+                best = p
+    assert result.plans[0].tokens_per_s == pytest.approx(best.tokens_per_s)
+
+
+def test_pareto_front_is_non_dominated():
+    result = search(MODEL, SYSTEM, 16, 64, top=3)
+    front = [(p.tokens_per_s, p.memory_bytes["total"]) for p in result.pareto]
+    for speed, memory in front:
+        assert not any(s > speed and m < memory for s, m in front)
+    assert [m for _, m in front] == sorted(m for _, m in front)
+
+
+def test_authors_plan_is_in_the_top_10_of_their_space():
+    """SMNG-P2 175B on 16 nodes, global batch 300, restricted to the authors' Bayesian-search space."""
+    space = ["tp=1,2,4,8", "pp=12,16,24,32,48,96", "mbs=1,2,3,4,6,8,10", "zero=1", "dp=1", "tp_mode=1d",
+             "sp=false", "recompute=full", "schedule=1f1b", "order=tp-dp-pp"]
+    result = search(perfsim.load_model("gpt3-175b"), perfsim.load_system("smng-p2"), 128, 300, parse_fixes(space))
+    top = [(p.plan.tp, p.plan.pp, p.plan.mbs) for p in result.plans]
+    assert (8, 16, 3) in top
+
+
+def test_search_json_contract(capsys):
+    assert main(["search", "--model", "gpt3-1.3b", "--system", "dgx-a100", "--devices", "16", "--gbs", "64",
+                 "--top", "3", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"evaluated", "feasible", "rejected", "plans"} <= set(out)
+    assert len(out["plans"]) == 3 and "step_time_s" in out["plans"][0] and "plan" in out["plans"][0]
+
+
+def test_search_csv(capsys):
+    assert main(["search", "--model", "gpt3-1.3b", "--system", "dgx-a100", "--devices", "8", "--gbs", "32",
+                 "--top", "2", "--csv", "--quiet"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("rank,tokens_per_s") and len(lines) == 3
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fix", "tp_mode=3d", "--fix", "tp=2"], "no valid plan"),
+    (["--fix", "zero=1", "--fix", "zero=2"], "no value"),
+    (["--fix", "warp=3"], "unknown knob"),
+    (["--fix", "tp=x"], "whole numbers"),
+    (["--fix", "tp_mode=4d"], "must be one of"),
+])
+def test_bad_search_input(capsys, argv, message):
+    code = main(["search", "--model", "gpt3-1.3b", "--system", "dgx-a100", "--devices", "8", "--gbs", "32", "--quiet",
+                 *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("perfsim: error: ") and message in err[0]
+
+
+def test_nothing_fits_says_why(capsys):
+    code = main(["search", "--model", "gpt3-175b", "--system", "dgx-a100", "--devices", "8", "--gbs", "8", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "fits in device memory" in err[0] and "more devices" in err[0]
+
+
+def test_device_count_with_no_valid_plan(capsys):
+    code = main(["search", "--model", "gpt3-1.3b", "--system", "dgx-a100", "--devices", "7", "--gbs", "8", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "perfsim: error:" in err
+
+
+def test_columns_of_a_found_plan_round_trip():
+    result = search(MODEL, SYSTEM, 8, 32, top=1)
+    assert columns_of(result.plans[0].plan).tp == result.plans[0].plan.tp
