@@ -20,6 +20,7 @@ import numpy as np
 from perfsim.cost.columns import FULL, Columns
 from perfsim.cost.layer import BF16
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
+from perfsim.cost.tensor_parallel import weight_shard
 from perfsim.spec.system import System
 
 
@@ -43,6 +44,24 @@ def microbatch_reduction_time(system: System, comm, c: Columns, params, busy):
     zero2 = scatter * (1 - system.framework.dp_overlap)
     zero3 = np.maximum(gathers + scatter - busy, 0.0)
     return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
+
+
+def zero_microbatch_times(system: System, comm, c: Columns, params):
+    """Raw time of the per-micro-batch collectives of ZeRO-2 and ZeRO-3 on `params` parameters,
+    nothing hidden: (gradient reduce-scatter, one all-gather of the bf16 weights). The event
+    simulator overlaps them itself; `microbatch_reduction_time` gives what the closed form exposes."""
+    stride = c.strides["dp"]
+    scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
+    return scatter, comm.all_gather(BF16 * params, c.dp, stride)
+
+
+def tied_embedding_time(model, system: System, comm, c: Columns):
+    """All-reduce of the word-embedding gradient between the first and the last pipeline stage,
+    which hold the two copies of a tied embedding (docs/equations.md, section 9.2); 0 without."""
+    word = model.padded_vocab(c.tp) * model.hidden / weight_shard(c.tp_mode, c.tp, c.tp_depth) \
+        * system.framework.grad_bytes_per_param
+    tied = model.tied_embeddings & (c.pp > 1)
+    return np.where(tied, comm.all_reduce(word, 2, c.strides["pp"] * np.maximum(c.pp - 1, 1)), 0.0)
 
 
 def optimizer_time(system: System, c: Columns, params):

@@ -17,7 +17,8 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
 from perfsim.cost.data_parallel import microbatch_reduction_time
-from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work
+from perfsim.cost.layer import (BF16, CORE_GEMMS, Work, embedding_work, gemm_time, head_memory_ops, layer_memory_ops,
+                                work)
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -104,3 +105,47 @@ def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:
     return StageTime(**{f.name: np.where(cond, getattr(a, f.name), getattr(b, f.name)) for f in fields(StageTime)})
+
+
+@dataclass
+class StagePhase:
+    """What `StageTime` does not separate, per micro-batch on one device of a stage: the forward
+    part of `compute` and of `tp_comm` (the rest of each is backward, and all of `recompute` is
+    backward), and `weight_grad`, the weight-gradient GEMMs inside the backward compute (the W
+    pass of a zero-bubble schedule; the rest of the backward compute is the input gradient)."""
+
+    forward_compute: object = 0.0
+    forward_tp: object = 0.0
+    weight_grad: object = 0.0
+
+
+def stage_phases(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> tuple:
+    """(first, middle, last) `StagePhase`s of the stages `stage_costs` times, from the same ops.
+
+    A weight-gradient GEMM has the shape of its forward GEMM, so its time is the forward GEMM's
+    (the efficiency model is symmetric, docs/equations.md section 3.8); the attention core's
+    GEMMs have no weights and the embedding's backward is element-wise, so neither has a W part."""
+    dev, comm = system.device, CommModel(system)
+    b, t, p = c.mbs, c.tp, c.pp
+    layout = tpc.layout_of(model, c)
+    tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, c.strides["tp"])  # noqa: E731
+
+    gemms = tpc.layer_gemms(layout, model, b)
+    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split))
+    weight = sum(gemm_time(dev, peak_flops, g) for g in gemms if g.name not in CORE_GEMMS)
+    n = model.layers / p
+    middle = StagePhase(n * layer.time_s, n * tp_time(tpc.layer_collectives(layout, model, b)[0]), n * weight)
+
+    emb = embedding_work(model, dev, b, layout.region_split)
+    vocab = model.padded_vocab(t)
+    logits = tpc.head_gemm(layout, model, b, vocab)
+    head = work(dev, peak_flops, [logits], head_memory_ops(model, b, layout.split, layout.region_split, vocab))
+    emb_tp = tp_time(tpc.embedding_collectives(layout, model, b)[0])
+    head_tp = tp_time(tpc.head_collectives(layout, model, b, vocab)[0])
+    head_w = gemm_time(dev, peak_flops, logits)
+    first = StagePhase(middle.forward_compute + emb.time_s, middle.forward_tp + emb_tp, middle.weight_grad)
+    last = StagePhase(middle.forward_compute + head.time_s, middle.forward_tp + head_tp, middle.weight_grad + head_w)
+    single = StagePhase(first.forward_compute + head.time_s, first.forward_tp + head_tp, first.weight_grad + head_w)
+    pick = lambda a, s: StagePhase(**{f.name: np.where(p == 1, getattr(a, f.name), getattr(s, f.name))  # noqa: E731
+                                      for f in fields(StagePhase)})
+    return pick(single, first), middle, pick(single, last)

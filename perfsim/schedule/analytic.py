@@ -18,9 +18,8 @@ import numpy as np
 
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
-from perfsim.cost.data_parallel import optimizer_time, step_reduction_time
+from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time
 from perfsim.cost.stage import StageCosts
-from perfsim.cost.tensor_parallel import weight_shard
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -53,11 +52,7 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden + gather
 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
-    word = model.padded_vocab(c.tp) * model.hidden / weight_shard(c.tp_mode, c.tp, c.tp_depth) \
-        * system.framework.grad_bytes_per_param
-    tied = model.tied_embeddings & (p > 1)
-    breakdown["pp_comm"] = breakdown["pp_comm"] + np.where(
-        tied, comm.all_reduce(word, 2, c.strides["pp"] * np.maximum(p - 1, 1)), 0.0)
+    breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)
 
     breakdown["optimizer"] = optimizer_time(system, c, params)
     breakdown["other"] = system.framework.step_overhead_s + 0.0 * pipeline
