@@ -1,0 +1,13 @@
+"""The real-run side of perfsim: microbenchmarks, a measurement ledger and launchers.
+
+This package imports torch (the `validate` extra) and perfsim; perfsim imports it only inside the
+commands that run real work (`perfsim calibrate`). Modules:
+
+- device: one interface to xpu, cuda and cpu (synchronisation, timers, memory, backend choice)
+- microbench: GEMMs, memory-bound ops, attention and collectives, timed with warm-up and repeats
+- ledger: the JSON Lines record of every measurement, resumable
+- campaign: what one rank of a calibration run does, and the local launcher
+- slurm: the batch script for SuperMUC-NG Phase 2 (mpiexec, oneCCL settings)
+
+Importing the package itself does not import torch; its modules do.
+"""

@@ -1,0 +1,281 @@
+"""A calibration campaign: what each rank does, and the local launcher.
+
+Every rank runs the same list of points (validate.microbench.build_points) in the same order;
+rank 0 keeps the ledger, tells the others which points are still to do, and shows progress.
+Compute points run on every rank at once (as in training, where every device is busy); the
+record holds rank 0's statistics and each rank's median. Collective points time the slowest
+rank of each repetition.
+
+Ranks come from the launcher's environment: RANK / WORLD_SIZE / LOCAL_RANK (torchrun and the
+local launcher), else PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID (mpiexec on SMNG-P2, Cray PALS),
+else Open MPI's or Slurm's. MASTER_ADDR / MASTER_PORT come from the job (the Slurm script) or
+the local launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from perfsim.errors import PerfsimError
+
+RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def _first_int(environ, names, default):
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise PerfsimError(f"environment variable {name}={value!r} is not a whole number") from None
+    return default
+
+
+def rank_environment(environ=None) -> Ranks:
+    """This process's place in the job, from the launcher's environment."""
+    environ = os.environ if environ is None else environ
+    rank = _first_int(environ, RANK_VARS, 0)
+    world = _first_int(environ, SIZE_VARS, 1)
+    local_rank = _first_int(environ, LOCAL_RANK_VARS, rank)
+    local_world = _first_int(environ, LOCAL_SIZE_VARS, 0)
+    if not local_world:
+        per_node = _first_int(environ, ("SLURM_NTASKS_PER_NODE",), 0)
+        local_world = per_node or world
+    if not 0 <= rank < world:
+        raise PerfsimError(f"rank {rank} is outside a world of {world} ranks; check the launcher's environment")
+    return Ranks(rank, world, local_rank, min(local_world, world))
+
+
+DERIVED_PLAN_KEYS = ("dp", "gbs")  # each rank derives them from the world size
+# glibc serves allocations above 32 MiB with fresh mmap pages, so every large CPU tensor pays
+# page faults (2-3 GB/s on the project's VM, against 10-30 GB/s for the kernel itself). Keeping
+# freed memory in the heap makes the CPU behave like a GPU's caching allocator; validation runs
+# set the same (docs/calibration.md). A value already in the environment wins.
+CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a campaign measures (one parser for the launcher and its workers: perfsim calibrate)."""
+
+    device: str
+    ledger: str
+    model: str
+    plan: dict
+    dtypes: tuple
+    suites: tuple
+    quick: bool = False
+    max_bytes: int | None = None
+    warmup: int = 2
+    repeats: int = 5
+    min_time_s: float = 2e-3
+    threads: int | None = None
+
+
+def worker_argv(options: Options) -> list:
+    """The `perfsim calibrate --worker ...` arguments that make a rank run `options`."""
+    argv = ["calibrate", "--worker", "--device", options.device, "--ledger", options.ledger, "--model", options.model,
+            "--dtypes", ",".join(options.dtypes), "--suites", ",".join(options.suites),
+            "--warmup", str(options.warmup), "--repeats", str(options.repeats), "--min-time", repr(options.min_time_s)]
+    for key, value in sorted(options.plan.items()):
+        if key in DERIVED_PLAN_KEYS:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    if options.quick:
+        argv.append("--quick")
+    if options.max_bytes:
+        argv += ["--max-bytes", str(options.max_bytes)]
+    if options.threads:
+        argv += ["--threads", str(options.threads)]
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(options: Options, nproc: int, stream=None) -> None:
+    """Run `nproc` ranks on this machine (like torchrun --standalone) and wait for them. If one
+    fails, the others are stopped; the error names the rank."""
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc))
+    if options.device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(options.threads or max(1, (os.cpu_count() or 1) // nproc)))
+        env.update({k: env.get(k, v) for k, v in CPU_ALLOCATOR_ENV.items()})
+    procs = []
+    for rank in range(nproc):
+        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        cmd = [sys.executable, "-m", "perfsim.cli"] + worker_argv(options)
+        procs.append(subprocess.Popen(cmd, env=env_r, stdout=None if rank == 0 else subprocess.DEVNULL,
+                                      stderr=None if rank == 0 else subprocess.PIPE))
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                if p.poll() not in (None, 0) and failed is None:
+                    failed = (rank, p.returncode)
+            if failed:
+                break
+            time.sleep(0.05)
+        for rank, p in enumerate(procs):
+            if p.poll() not in (None, 0) and failed is None:
+                failed = (rank, p.returncode)
+    except KeyboardInterrupt:
+        failed = (-1, -signal.SIGINT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    if failed:
+        rank, code = failed
+        detail = ""
+        for r, p in enumerate(procs):
+            if r == rank and p.stderr is not None:
+                text = p.stderr.read().decode(errors="replace").strip().splitlines()
+                detail = f": {text[-1]}" if text else ""
+        if rank < 0:
+            raise PerfsimError("interrupted; run the same command again to resume from the ledger")
+        raise PerfsimError(f"calibration rank {rank} exited with status {code}{detail}; the ledger keeps what was "
+                           f"measured, run the same command again to resume")
+
+
+def run_worker(options: Options, environ=None, out=None) -> int:
+    """One rank of a campaign. Returns the number of points measured."""
+    import torch
+
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan, plan_problems
+    from validate import microbench as mb
+    from validate.device import Device, distributed_backend, software_versions
+    from validate.ledger import Ledger, relevant_env
+
+    out = out or sys.stderr
+    ranks = rank_environment(environ)
+    threads = options.threads
+    if options.device == "cpu" and not threads:
+        threads = max(1, (os.cpu_count() or 1) // ranks.local_world)
+    device = Device(options.device, ranks.local_rank, threads)
+    dist = torch.distributed
+    backend = None
+    if ranks.world > 1:
+        backend = distributed_backend(options.device)
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in (environ or os.environ):
+                raise PerfsimError(f"{ranks.world} ranks but {var} is not set; the job script or launcher must set it")
+        kwargs = {}
+        if options.device != "cpu":
+            kwargs["device_id"] = device.torch_device
+        dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world, **kwargs)
+    try:
+        model = load_model(options.model)
+        plan = Plan(**options.plan)
+        problems = plan_problems(plan, model, ranks.world)
+        if problems:
+            raise PerfsimError(f"plan for {ranks.world} ranks: " + "; ".join(problems))
+        sweep = mb.default_sweep(options.device, options.quick, options.max_bytes)
+        points = mb.build_points(options.device, options.dtypes, model, plan, ranks.world, ranks.local_world, sweep,
+                                 options.suites)
+        keys = [p.key(options.device, ranks.world) for p in points]
+        ledger = None
+        if ranks.rank == 0:
+            context = {"device": device.describe(), "host": socket.gethostname(),
+                       "software": software_versions(options.device), "env": relevant_env(environ),
+                       "world": ranks.world, "ranks_per_node": ranks.local_world, "backend": backend,
+                       "model": options.model, "plan": options.plan}
+            ledger = Ledger(options.ledger, context)
+            todo = [i for i, k in enumerate(keys) if not ledger.done(k)]
+            done = len(points) - len(todo)
+            if done:
+                print(f"perfsim calibrate: {done} of {len(points)} points already in {options.ledger}; "
+                      f"measuring the other {len(todo)}", file=out, flush=True)
+        else:
+            todo = None
+        if ranks.world > 1:
+            box = [todo]
+            dist.broadcast_object_list(box, src=0)
+            todo = box[0]
+        shapes = sorted({p.group for p in points if p.group})
+        comm = mb.Communicator(torch, device, ranks.rank, ranks.world, shapes) if ranks.world > 1 else None
+        started = time.monotonic()
+        for n, i in enumerate(todo, 1):
+            point = points[i]
+            record = measure(torch, device, comm, point, options)
+            if ledger is not None:
+                ledger.append({"key": keys[i], "suite": point.suite, "op": point.op, "dtype": point.dtype,
+                               "shape": point.dims, "group": list(point.group) if point.group else None,
+                               "origin": point.origin, **record})
+                elapsed = time.monotonic() - started
+                eta = elapsed / n * (len(todo) - n)
+                stats = record.get("stats")
+                what = f"{stats['median_s'] * 1e3:.4g} ms" if stats else f"failed: {record.get('error')}"
+                print(f"[{n}/{len(todo)}, {elapsed:.0f} s, about {eta:.0f} s left] {point.describe()}: {what}",
+                      file=out, flush=True)
+        if ledger is not None:
+            ledger.close()
+        return len(todo)
+    finally:
+        if ranks.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(torch, device, comm, point, options: Options) -> dict:
+    """Time one point on every rank; the record's fields (stats, counts, per-rank medians)."""
+    from validate import microbench as mb
+
+    if comm is not None:
+        comm.barrier()
+    try:
+        if point.suite == "collective":
+            fn = comm.make(point)
+            times, number = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
+                                           agree=comm.agree_max, before=comm.barrier)
+            times = comm.max_each(times)
+            counts = {"nbytes": comm.nbytes(point)}
+        else:
+            fn = mb.make_compute(torch, device, point)
+            times, number = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s)
+            counts = mb.compute_counts(point)
+        error = None
+    except (RuntimeError, ValueError, NotImplementedError, MemoryError) as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        times, number, counts = None, 0, {}
+    fn = None
+    failed = comm.agree_max(1.0 if error else 0.0) if comm is not None else (1.0 if error else 0.0)
+    if failed or times is None:
+        return {"error": error or "failed on another rank", **counts}
+    record = {"stats": mb.Stats(times).as_dict(number), **counts}
+    if comm is not None and point.suite != "collective":
+        record["rank_medians_s"] = comm.gather_values(record["stats"]["median_s"])
+    return record

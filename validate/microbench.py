@@ -1,0 +1,471 @@
+"""Microbenchmarks: what perfsim's cost model needs to know about a device and its links.
+
+Four suites, each a list of `Point`s (what to measure) and a way to time one:
+- gemm: the GEMMs perfsim's cost model issues for a model and plan (asked from
+  perfsim.cost.tensor_parallel, never re-derived here), plus a generic (m, n, k) sweep;
+- memory: memory-bound ops (copy, triad, LayerNorm, softmax, GeLU, dropout, residual add) over a
+  size sweep and at the sizes the plan's layer uses (perfsim.cost.layer.layer_memory_ops);
+- attention: the attention core, fused (scaled_dot_product_attention) and unfused (two batched
+  GEMMs around a softmax), at the plan's shape and a small sweep;
+- collective: all-reduce, all-gather, reduce-scatter, broadcast, reduce and send/recv over message
+  sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses.
+
+Bytes follow perfsim's conventions: an element-wise op moves `TRAFFIC[op]` bytes per element
+(reads + writes; tests check this against perfsim.cost.layer for the ops perfsim models), and a
+collective's `nbytes` is the full tensor (the gathered one for all-gather and reduce-scatter) as
+in perfsim.cost.collectives.
+
+Timing: warm-up calls, then `repeats` timed repetitions of `number` back-to-back calls each,
+`number` chosen so that one repetition lasts at least `min_time_s` (timer resolution and launch
+jitter); statistics over the repetitions. Collectives time the slowest rank of each repetition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from perfsim.cost import tensor_parallel as tpc
+from perfsim.cost.columns import columns_of
+from perfsim.cost.layer import BF16, layer_memory_ops
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.plan import Plan
+
+SUITES = ("gemm", "memory", "attention", "collective")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")
+# Bytes moved per element, as a function of the element size e: reads + writes (+ a one-byte
+# dropout mask), the counting perfsim.cost.layer uses.
+TRAFFIC = {"copy": (2, 0), "triad": (3, 0), "layernorm": (2, 0), "softmax": (2, 0), "gelu": (2, 0),
+           "dropout": (2, 1), "add": (3, 0)}
+# perfsim's per-layer memory ops and the benchmark op that stands for each.
+PERFSIM_MEMORY_OPS = {"norm1": "layernorm", "norm2": "layernorm", "softmax": "softmax", "activation": "gelu",
+                      "residual1": "add", "residual2": "add", "attn_dropout": "dropout", "proj_dropout": "dropout",
+                      "mlp_dropout": "dropout"}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
+KIB, MIB = 1024, 1024 * 1024
+DEFAULT_MAX_BYTES = 256 * MIB
+
+
+def traffic_bytes(op: str, elements, dtype: str):
+    per_element, extra = TRAFFIC[op]
+    return elements * (per_element * DTYPE_BYTES[dtype] + extra)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement. `shape` holds the op's sizes (see the suite's docstring); `group` the
+    (size, stride) of a collective's groups in rank space; `origin` "plan" or "sweep"."""
+
+    suite: str
+    op: str
+    dtype: str
+    shape: tuple  # sorted (name, value) pairs, so that points hash and compare
+    group: tuple | None = None
+    origin: str = field(default="sweep", compare=False)
+
+    @property
+    def dims(self) -> dict:
+        return dict(self.shape)
+
+    def key(self, device_kind: str, world: int) -> str:
+        """What identifies a measurement in a ledger (resume skips points whose key is there)."""
+        ident = {"device": device_kind, "world": world, "suite": self.suite, "op": self.op, "dtype": self.dtype,
+                 "shape": self.dims, "group": list(self.group) if self.group else None}
+        text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
+        return f"{self.suite}:{self.op}:{self.dtype}:" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        d = self.dims
+        if self.suite == "gemm":
+            what = f"{d['m']}x{d['n']}x{d['k']}" + (f" x{d['count']}" if d["count"] != 1 else "")
+        elif self.suite == "memory":
+            what = f"{d['rows']}x{d['cols']}"
+        elif self.suite == "attention":
+            what = f"b{d['batch']} h{d['heads']} s{d['seq']} d{d['head_dim']}"
+        else:
+            what = f"{_human_bytes(d['nbytes'])} group {self.group[0]}/stride {self.group[1]}"
+        return f"{self.suite} {self.op} {self.dtype} {what}"
+
+
+def _shape(**dims) -> tuple:
+    return tuple(sorted((k, int(v)) for k, v in dims.items()))
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+# --- what the plan issues (asked from perfsim) ---
+
+def plan_gemms(model: ModelSpec, plan: Plan) -> list:
+    """The distinct GEMMs of one layer and of the logits head on one device, as perfsim's cost
+    model issues them: (name, count, m, n, k) with whole numbers."""
+    c = columns_of(plan)
+    layout = tpc.layout_of(model, c)
+    gemms = tpc.layer_gemms(layout, model, plan.mbs)
+    gemms.append(tpc.head_gemm(layout, model, plan.mbs, model.padded_vocab(plan.tp)))
+    out = []
+    for g in gemms:
+        dims = [float(g.count), float(g.m), float(g.n), float(g.k)]
+        if all(d >= 1 and d == int(d) for d in dims):
+            out.append((g.name, *(int(d) for d in dims)))
+    return out
+
+
+def plan_memory_ops(model: ModelSpec, plan: Plan) -> list:
+    """(perfsim name, benchmark op, elements, columns) for the element-wise ops of one layer;
+    elements from perfsim's byte counts (bf16) and the op's traffic per element."""
+    c = columns_of(plan)
+    layout = tpc.layout_of(model, c)
+    out = []
+    for op in layer_memory_ops(model, plan.mbs, layout.split, layout.region_split):
+        bench = PERFSIM_MEMORY_OPS.get(op.name)
+        if bench is None:
+            continue
+        elements = float(op.nbytes) / traffic_bytes(bench, 1, "bf16")
+        if elements < 1 or elements != int(elements):
+            continue
+        elements = int(elements)
+        cols = model.seq if op.name in ("softmax", "attn_dropout") else model.hidden
+        if elements % cols:
+            cols = math.gcd(elements, 1024)
+        out.append((op.name, bench, elements, cols))
+    return out
+
+
+def plan_attention(model: ModelSpec, plan: Plan):
+    """(batch x heads, seq, head_dim) of the attention core on one device, from perfsim's
+    "scores" GEMM (count, s, s, head_dim)."""
+    for name, count, m, _, k in plan_gemms(model, plan):
+        if name == "scores":
+            return count, m, k
+    return None
+
+
+def plan_group_shapes(model: ModelSpec, plan: Plan) -> list:
+    """(size, stride) in rank space of every communicating group shape of the plan: each axis of
+    the tensor-parallel grid (its stride inside the TP group times the TP stride), then data and
+    pipeline parallelism; strides from perfsim (plan.order, layout axes)."""
+    c = columns_of(plan)
+    strides = c.strides
+    layout = tpc.layout_of(model, c)
+    shapes = []
+    for size, stride in layout.axes.values():
+        size, stride = int(size), int(np.asarray(stride).item())
+        if size > 1:
+            shapes.append((size, stride * int(strides["tp"])))
+    for dim, size in (("dp", plan.dp), ("pp", plan.pp)):
+        if size > 1:
+            shapes.append((int(size), int(strides[dim])))
+    return shapes
+
+
+def group_shapes(model: ModelSpec, plan: Plan, world: int, ranks_per_node: int) -> list:
+    """Group shapes to measure: the plan's, the whole world, pairs, one node, and one rank per
+    node across nodes; each (size, stride) with size > 1 that tiles the world."""
+    shapes = plan_group_shapes(model, plan) + [(world, 1), (2, 1)]
+    if 1 < ranks_per_node < world:
+        shapes += [(ranks_per_node, 1), (world // ranks_per_node, ranks_per_node)]
+    out = []
+    for size, stride in shapes:
+        if 1 < size <= world and world % (size * stride) == 0 and (size, stride) not in out:
+            out.append((size, stride))
+    return out
+
+
+def groups_of(size: int, stride: int, world: int) -> list:
+    """Every group of the dimension (size, stride): ranks r0, r0 + stride, ... (r0 in each block)."""
+    block = size * stride
+    return [[start + offset + j * stride for j in range(size)]
+            for start in range(0, world, block) for offset in range(stride)]
+
+
+# --- the campaign's points ---
+
+@dataclass(frozen=True)
+class Sweep:
+    """Sizes of the generic sweeps (defaults per device kind; `quick` for smoke tests)."""
+
+    gemm_dims: tuple
+    memory_elements: tuple
+    attention_seqs: tuple
+    collective_bytes: tuple
+    max_gemm_flops: float
+
+
+def default_sweep(kind: str, quick: bool = False, max_bytes: int | None = None) -> Sweep:
+    cap = max_bytes or (1 * MIB if quick else DEFAULT_MAX_BYTES)
+    sizes = []
+    n = KIB
+    while n <= cap:
+        sizes.append(n)
+        n *= 2
+    if sizes and sizes[-1] != cap and cap > KIB:
+        sizes.append(int(cap))
+    if quick:
+        return Sweep((64, 256), (1 << 12, 1 << 16), (128,), tuple(sizes), 1e9)
+    if kind == "cpu":
+        return Sweep((64, 128, 256, 512, 1024, 2048), tuple(1 << e for e in range(12, 26)), (256, 512, 1024),
+                     tuple(sizes), 2 * 2048**3)
+    return Sweep((128, 256, 512, 1024, 2048, 4096, 8192), tuple(1 << e for e in range(14, 29)),
+                 (512, 1024, 2048, 4096), tuple(sizes), 2 * 8192**3)
+
+
+def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: int, ranks_per_node: int,
+                 sweep: Sweep, suites=SUITES) -> list:
+    """Every point of a campaign, plan points first; the same list on every rank."""
+    points: list = []
+
+    def add(p: Point):
+        if p not in points:
+            points.append(p)
+
+    if "gemm" in suites:
+        for dtype in dtypes:
+            for name, count, m, n, k in plan_gemms(model, plan):
+                if 2.0 * count * m * n * k <= 4 * sweep.max_gemm_flops:
+                    add(Point("gemm", "matmul" if count == 1 else "bmm", dtype, _shape(count=count, m=m, n=n, k=k),
+                              origin="plan"))
+            for m, n, k in itertools.product(sweep.gemm_dims, repeat=3):
+                if 2.0 * m * n * k <= sweep.max_gemm_flops:
+                    add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k)))
+    if "memory" in suites:
+        for dtype in dtypes:
+            for _, op, elements, cols in plan_memory_ops(model, plan):
+                if elements <= 4 * sweep.memory_elements[-1]:
+                    add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols), origin="plan"))
+            for op in MEMORY_OPS:
+                for elements in sweep.memory_elements:
+                    cols = min(1024, elements)
+                    add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols)))
+    if "attention" in suites:
+        for dtype in dtypes:
+            shapes = []
+            core = plan_attention(model, plan)
+            if core is not None:
+                shapes.append((core, "plan"))
+            heads = 8
+            shapes += [((heads, s, 64), "sweep") for s in sweep.attention_seqs]
+            for (bh, s, d), origin in shapes:
+                for op in ("sdpa", "unfused"):
+                    add(Point("attention", op, dtype, _shape(batch=1, heads=bh, seq=s, head_dim=d), origin=origin))
+    if "collective" in suites and world > 1:
+        dtype = dtypes[0] if kind != "cpu" else "fp32"
+        for size, stride in group_shapes(model, plan, world, ranks_per_node):
+            for op in COLLECTIVES:
+                for nbytes in sweep.collective_bytes:
+                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride)))
+    return points
+
+
+# --- timing ---
+
+@dataclass
+class Stats:
+    times_s: list
+
+    def as_dict(self, number: int) -> dict:
+        t = sorted(self.times_s)
+        q = np.quantile(t, [0.25, 0.75]) if len(t) > 1 else (t[0], t[0])
+        return {"median_s": statistics.median(t), "min_s": t[0], "max_s": t[-1], "mean_s": statistics.fmean(t),
+                "std_s": statistics.pstdev(t) if len(t) > 1 else 0.0, "p25_s": float(q[0]), "p75_s": float(q[1]),
+                "repeats": len(t), "number": number}
+
+
+def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
+                max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4):
+    """(per-call seconds of each repetition, calls per repetition). One untimed estimate sets
+    `number` (calls per repetition, so that one lasts `min_time_s`) and, for cheap ops, more
+    repetitions (up to `max_repeats_factor` x `repeats` while they fit in `budget_s`): noise hits
+    short ops hardest. `agree(seconds)` makes every rank use the slowest rank's estimate
+    (collectives must make the same calls everywhere); `before()` runs untimed before each
+    repetition."""
+    for _ in range(warmup):
+        fn()
+    device.sync()
+    timer = device.timer()
+    if before:
+        before()
+    timer.start()
+    fn()
+    estimate = max(timer.stop(), 1e-9)
+    if agree:
+        estimate = max(agree(estimate), 1e-9)
+    number = int(min(max_number, max(1, math.ceil(min_time_s / estimate))))
+    extra = int(budget_s / (number * estimate))
+    repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        timer.start()
+        for _ in range(number):
+            fn()
+        times.append(timer.stop() / number)
+    return times, number
+
+
+def torch_dtype(torch, name: str):
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def make_compute(torch, device, point: Point):
+    """A no-argument function running the point's op once (tensors allocated here, once)."""
+    dt, dev, d = torch_dtype(torch, point.dtype), device.torch_device, point.dims
+    F = torch.nn.functional
+    if point.suite == "gemm":
+        if d["count"] == 1:
+            a = torch.randn(d["m"], d["k"], dtype=dt, device=dev)
+            b = torch.randn(d["k"], d["n"], dtype=dt, device=dev)
+            out = torch.empty(d["m"], d["n"], dtype=dt, device=dev)
+            return lambda: torch.matmul(a, b, out=out)
+        a = torch.randn(d["count"], d["m"], d["k"], dtype=dt, device=dev)
+        b = torch.randn(d["count"], d["k"], d["n"], dtype=dt, device=dev)
+        out = torch.empty(d["count"], d["m"], d["n"], dtype=dt, device=dev)
+        return lambda: torch.bmm(a, b, out=out)
+    if point.suite == "memory":
+        shape = (d["rows"], d["cols"])
+        x = torch.randn(shape, dtype=dt, device=dev)
+        op = point.op
+        if op == "copy":
+            y = torch.empty_like(x)
+            return lambda: y.copy_(x)
+        if op == "triad":
+            y, z = torch.randn_like(x), torch.empty_like(x)
+            return lambda: torch.add(x, y, alpha=3.0, out=z)
+        if op == "add":
+            y = torch.randn_like(x)
+            return lambda: x + y
+        if op == "layernorm":
+            w, b = torch.ones(d["cols"], dtype=dt, device=dev), torch.zeros(d["cols"], dtype=dt, device=dev)
+            return lambda: F.layer_norm(x, (d["cols"],), w, b)
+        if op == "softmax":
+            return lambda: torch.softmax(x, dim=-1)
+        if op == "gelu":
+            return lambda: F.gelu(x)
+        if op == "dropout":
+            return lambda: F.dropout(x, p=0.1, training=True)
+        raise ValueError(f"unknown memory op {op}")
+    if point.suite == "attention":
+        shape = (d["batch"], d["heads"], d["seq"], d["head_dim"])
+        q, k, v = (torch.randn(shape, dtype=dt, device=dev) for _ in range(3))
+        if point.op == "sdpa":
+            return lambda: F.scaled_dot_product_attention(q, k, v)
+        q = q * (1.0 / math.sqrt(d["head_dim"]))  # scale folded into Q, as fused kernels do
+
+        def unfused():  # perfsim's attention core: scores GEMM, softmax, context GEMM (no mask: full s x s)
+            return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1), v)
+        return unfused
+    raise ValueError(f"not a compute point: {point.suite}")
+
+
+def compute_counts(point: Point) -> dict:
+    """FLOPs and bytes recorded with a compute point (perfsim's conventions)."""
+    d = point.dims
+    if point.suite == "gemm":
+        flops = 2.0 * d["count"] * d["m"] * d["n"] * d["k"]
+        e = DTYPE_BYTES[point.dtype]
+        return {"flops": flops, "nbytes": e * d["count"] * (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"])}
+    if point.suite == "memory":
+        return {"nbytes": traffic_bytes(point.op, d["rows"] * d["cols"], point.dtype)}
+    if point.suite == "attention":
+        flops = 2 * 2.0 * d["batch"] * d["heads"] * d["seq"] * d["seq"] * d["head_dim"]
+        return {"flops": flops}
+    return {}
+
+
+class Communicator:
+    """Collectives over the groups of one (size, stride) dimension; every rank calls every method
+    (new_group is collective over the whole world)."""
+
+    def __init__(self, torch, device, rank: int, world: int, shapes: list):
+        self.torch, self.dist, self.device = torch, torch.distributed, device
+        self.rank, self.world = rank, world
+        self.groups = {}
+        for size, stride in shapes:
+            for members in groups_of(size, stride, world):
+                handle = self.dist.new_group(members) if size < world else None
+                if rank in members:
+                    self.groups[(size, stride)] = (handle, members)
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def agree_max(self, value: float) -> float:
+        t = self.torch.tensor([float(value)], dtype=self.torch.float64 if self.device.kind == "cpu"
+                              else self.torch.float32, device=self.device.torch_device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def max_each(self, values: list) -> list:
+        t = self.torch.tensor(values, dtype=self.torch.float32 if self.device.kind != "cpu" else self.torch.float64,
+                              device=self.device.torch_device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return [float(x) for x in t.tolist()]
+
+    def gather_values(self, value: float) -> list:
+        t = self.torch.zeros(self.world, dtype=self.torch.float64 if self.device.kind == "cpu" else self.torch.float32,
+                             device=self.device.torch_device)
+        t[self.rank] = value
+        self.dist.all_reduce(t)
+        return [float(x) for x in t.tolist()]
+
+    def make(self, point: Point):
+        """A no-argument function running the point's collective once on this rank's group."""
+        torch, dist = self.torch, self.dist
+        group, members = self.groups[point.group]
+        g, me = len(members), members.index(self.rank)
+        dt = torch_dtype(torch, point.dtype)
+        e = DTYPE_BYTES[point.dtype]
+        elements = max(g, (point.dims["nbytes"] // e) // g * g)  # divisible by the group size
+        dev = self.device.torch_device
+        op = point.op
+        if op == "all_reduce":
+            x = torch.ones(elements, dtype=dt, device=dev)
+            return lambda: dist.all_reduce(x, group=group)
+        if op == "all_gather":
+            x = torch.ones(elements // g, dtype=dt, device=dev)
+            out = torch.empty(elements, dtype=dt, device=dev)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            return lambda: gather(out, x, group=group)
+        if op == "reduce_scatter":
+            x = torch.ones(elements, dtype=dt, device=dev)
+            out = torch.empty(elements // g, dtype=dt, device=dev)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return lambda: scatter(out, x, group=group)
+        if op == "broadcast":
+            x = torch.ones(elements, dtype=dt, device=dev)
+            return lambda: dist.broadcast(x, src=members[0], group=group)
+        if op == "reduce":
+            x = torch.ones(elements, dtype=dt, device=dev)
+            return lambda: dist.reduce(x, dst=members[0], group=group)
+        if op == "send":  # a chain: member j sends to j + 1 while receiving from j - 1, all at once
+            x = torch.ones(elements, dtype=dt, device=dev)
+            y = torch.empty(elements, dtype=dt, device=dev)
+
+            def exchange():
+                ops = []
+                if me + 1 < g:
+                    ops.append(dist.P2POp(dist.isend, x, members[me + 1], group=group))
+                if me > 0:
+                    ops.append(dist.P2POp(dist.irecv, y, members[me - 1], group=group))
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            return exchange
+        raise ValueError(f"unknown collective {op}")
+
+    def nbytes(self, point: Point) -> int:
+        """The bytes actually moved per call, perfsim's convention (full tensor)."""
+        g = point.group[0]
+        e = DTYPE_BYTES[point.dtype]
+        return max(g, (point.dims["nbytes"] // e) // g * g) * e
