@@ -1,0 +1,309 @@
+"""`perfsim calibrate`: measure this machine with validate/ and fit a system profile (docs/calibration.md).
+
+    perfsim calibrate --device cpu --nproc 2 [--ledger FILE] [--out PROFILE.toml] [--quick]
+    perfsim calibrate --emit-slurm FILE --nodes N [--time HH:MM:SS] [--partition P] [--account A]
+    perfsim calibrate --fit LEDGER --system BASE --out FILE
+
+The first runs the campaign locally (one process per rank, like torchrun) and fits; the second
+writes a Slurm batch script for SMNG-P2 whose records come back with the third. `--worker` is what
+launchers run on each rank. torch is imported only by the commands that measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+from perfsim.errors import PerfsimError
+
+DEVICES = ("cpu", "cuda", "xpu")
+DEFAULT_MODEL = {"cpu": "gpt3-350m", "cuda": "gpt3-1.3b", "xpu": "smng-p2-20b"}
+DEFAULT_SYSTEM = {"cpu": "cpu-example", "xpu": "smng-p2"}
+DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16",), "xpu": ("bf16",)}
+SUITES = ("gemm", "memory", "attention", "collective")
+DTYPES = ("fp32", "bf16", "fp16")
+PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "mbs", "order", "tp_axes")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if not 1 <= value <= 2**20:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {2**20}, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 10000:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 10000, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 <= value <= 10):
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 10, got {text}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+          "g": 1024**3, "gib": 1024**3, "gb": 1000**3}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 256MiB, 64M or 1048576, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if not 1024 <= value <= 64 * 1024**3:
+        raise argparse.ArgumentTypeError(f"expected a size from 1 KiB to 64 GiB, got {text!r}")
+    return value
+
+
+def _choices(allowed):
+    def parse(text: str) -> tuple:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in items if x not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return items
+    return parse
+
+
+def _walltime(text: str) -> str:
+    if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", text):
+        raise argparse.ArgumentTypeError(f"expected a Slurm time like 01:30:00 or 1-00:00:00, got {text!r}")
+    return text
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure GEMMs, memory ops and collectives here and fit a system profile",
+        description="Measure this machine (validate/ microbenchmarks, needs torch) and fit a calibrated profile; "
+                    "or write a Slurm script for SMNG-P2; or fit a ledger measured elsewhere.")
+    p.add_argument("--device", choices=DEVICES, help="what one rank owns: cpu (one core per rank), cuda, xpu (one tile)")
+    p.add_argument("--nproc", type=_positive, help="ranks on this machine (default: cores on cpu, visible GPUs/tiles)")
+    p.add_argument("--ledger", help="JSON Lines file of measurements; appended to, resumed from "
+                                    "(default calibration-DEVICE.jsonl)")
+    p.add_argument("--out", help="calibrated profile to write (default SYSTEM-calibrated.toml)")
+    p.add_argument("--system", help="base profile the fit starts from (default: cpu-example on cpu, smng-p2 on xpu)")
+    p.add_argument("--name", help="name of the calibrated profile (default: --out's file name)")
+    p.add_argument("--quick", action="store_true", help="a few small points only (a smoke test, seconds)")
+    p.add_argument("--no-fit", dest="no_fit", action="store_true", help="measure only")
+    p.add_argument("--statistic", choices=("min", "median", "p25", "mean"), default="min",
+                   help="which statistic of each point's repetitions the fit uses (default min: the machine without "
+                        "interference from other load)")
+    w = p.add_argument_group("what to measure")
+    w.add_argument("--model", help="model whose GEMMs and groups to measure (default per device: "
+                                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_MODEL.items()) + ")")
+    w.add_argument("--tp", type=_positive, help="tensor-parallel size (default: ranks per node)")
+    w.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
+    w.add_argument("--tp-depth", dest="tp_depth", type=_positive)
+    w.add_argument("--sp", action="store_true", default=None)
+    w.add_argument("--pp", type=_positive)
+    w.add_argument("--mbs", type=_positive)
+    w.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
+    w.add_argument("--tp-axes", dest="tp_axes")
+    w.add_argument("--dtypes", type=_choices(DTYPES), help="compute dtypes (default: fp32,bf16 on cpu, bf16 on GPUs)")
+    w.add_argument("--suites", type=_choices(SUITES), help=f"what to measure (default all: {','.join(SUITES)})")
+    w.add_argument("--max-bytes", dest="max_bytes", type=parse_bytes,
+                   help="largest collective message (default 256MiB; 1MiB with --quick)")
+    w.add_argument("--warmup", type=_count, default=None, help="untimed calls before timing (default 2)")
+    w.add_argument("--repeats", type=_positive, default=None, help="timed repetitions per point (default 5)")
+    w.add_argument("--min-time", dest="min_time", type=_seconds, default=None,
+                   help="shortest repetition in seconds; short ops are looped (default 0.002)")
+    w.add_argument("--threads", type=_positive, help="CPU threads per rank (default: cores / ranks)")
+    s = p.add_argument_group("Slurm (SMNG-P2)")
+    s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE", help="write a batch script and stop")
+    s.add_argument("--nodes", type=_positive, help="nodes of the Slurm job (8 tiles each)")
+    s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
+    s.add_argument("--partition")
+    s.add_argument("--account")
+    s.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="shell line to run before the campaign (module load ..., source venv/bin/activate); repeatable")
+    p.add_argument("--fit", metavar="LEDGER", help="fit a ledger measured before (here or elsewhere) and stop")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(run=run)
+
+
+def _options(args, world: int, ranks_per_node: int):
+    from validate.campaign import Options
+
+    device = args.device
+    model = args.model or DEFAULT_MODEL[device]
+    plan = {k: getattr(args, k) for k in PLAN_KEYS if getattr(args, k) is not None}
+    if "tp" not in plan:
+        plan["tp"] = _default_tp(model, ranks_per_node, plan.get("tp_mode", "1d"))
+    tp, pp = plan["tp"], plan.get("pp", 1)
+    if world % (tp * pp):
+        raise PerfsimError(f"{world} ranks is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or --nproc/--nodes")
+    plan["dp"] = world // (tp * pp)
+    plan["gbs"] = plan.get("mbs", 1) * plan["dp"]
+    return Options(device=device, ledger=args.ledger or f"calibration-{device}.jsonl", model=model, plan=plan,
+                   dtypes=args.dtypes or DEFAULT_DTYPES[device], suites=args.suites or SUITES, quick=args.quick,
+                   max_bytes=args.max_bytes,
+                   warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
+                   repeats=args.repeats or (3 if args.quick else 5),
+                   min_time_s=args.min_time if args.min_time is not None else (5e-4 if args.quick else 2e-3),
+                   threads=args.threads)
+
+
+def _default_tp(model_text: str, ranks_per_node: int, mode: str) -> int:
+    """Tensor parallelism over a node's ranks (1d): the largest power of two that divides the
+    heads and the ranks per node."""
+    from perfsim.spec.model import load_model
+
+    if mode != "1d":
+        return 1
+    model = load_model(model_text)
+    tp = 1
+    while ranks_per_node % (tp * 2) == 0 and model.heads % (tp * 2) == 0:
+        tp *= 2
+    return tp
+
+
+def _import_validate():
+    try:
+        import validate  # noqa: F401
+    except ImportError:
+        raise PerfsimError("the validate/ harness is not installed with this perfsim; install from the repository with "
+                           "`pip install torch==2.13.0 -e \".[validate]\"`") from None
+
+
+def _check_plan(options, world):
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan, plan_problems
+
+    model = load_model(options.model)
+    try:
+        plan = Plan(**options.plan)
+    except TypeError as exc:
+        raise PerfsimError(f"bad plan: {exc}") from None
+    problems = plan_problems(plan, model, world)
+    if problems:
+        raise PerfsimError(f"plan for {world} ranks of {options.model}: " + "; ".join(problems))
+
+
+def run(args) -> None:
+    if args.fit:
+        return _run_fit(args)
+    if args.emit_slurm:
+        return _run_emit_slurm(args)
+    if args.device is None:
+        raise PerfsimError("give --device cpu|cuda|xpu (or --fit LEDGER, or --emit-slurm FILE --nodes N)")
+    _import_validate()
+    if args.worker:
+        from validate.campaign import rank_environment, run_worker
+
+        ranks = rank_environment()
+        run_worker(_options(args, ranks.world, ranks.local_world))
+        return None
+    return _run_local(args)
+
+
+def _run_local(args) -> None:
+    from validate.device import check_available, distributed_backend
+    from validate.ledger import check_path
+
+    system = _base_system_name(args)
+    out = None if args.no_fit else (args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml")
+    if out:
+        _check_out(out)
+        from perfsim.spec.system import load_system
+        load_system(system)
+    check_available(args.device)
+    nproc = args.nproc or _visible_devices(args.device)
+    if nproc > 1:
+        distributed_backend(args.device)
+    options = _options(args, nproc, nproc)
+    check_path(options.ledger)
+    _check_plan(options, nproc)
+    from validate.campaign import launch_local
+
+    print(f"perfsim calibrate: {nproc} {args.device} rank(s), model {options.model}, plan "
+          f"{', '.join(f'{k}={v}' for k, v in options.plan.items())}; ledger {options.ledger}", file=sys.stderr, flush=True)
+    launch_local(options, nproc)
+    if out:
+        from perfsim.calibrate import fit_ledger
+        fit_ledger(options.ledger, system, out, args.name, device_kind=args.device,
+                   warn=lambda m: print(m, file=sys.stderr), statistic=args.statistic)
+
+
+def _visible_devices(device: str) -> int:
+    if device == "cpu":
+        return max(1, os.cpu_count() or 1)
+    import torch
+    return max(1, getattr(torch, device).device_count())
+
+
+def _base_system_name(args) -> str:
+    if args.system:
+        return args.system
+    if args.device in DEFAULT_SYSTEM:
+        return DEFAULT_SYSTEM[args.device]
+    raise PerfsimError(f"give --system: the profile to calibrate (no default base profile for --device {args.device}; "
+                       f"e.g. dgx-a100 or dgx-h100), or --no-fit to measure only")
+
+
+def _check_out(out: str) -> None:
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise PerfsimError(f"--out {out} is a directory; give a .toml file name")
+    if not os.path.isdir(folder):
+        raise PerfsimError(f"--out {out}: folder {folder} does not exist")
+
+
+def _run_fit(args) -> None:
+    from perfsim.calibrate import fit_ledger
+
+    if args.system is None and args.device not in DEFAULT_SYSTEM:
+        raise PerfsimError("--fit needs --system BASE: the profile the fit starts from (e.g. smng-p2, cpu-example)")
+    system = _base_system_name(args)
+    out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
+    _check_out(out)
+    fit_ledger(args.fit, system, out, args.name, device_kind=args.device, warn=lambda m: print(m, file=sys.stderr),
+               statistic=args.statistic)
+
+
+def _run_emit_slurm(args) -> None:
+    from validate.campaign import worker_argv
+    from validate.slurm import TILES_PER_NODE, Job, script
+
+    if args.nodes is None:
+        raise PerfsimError("--emit-slurm needs --nodes N (8 tiles, so 8 ranks, per node)")
+    args.device = args.device or "xpu"
+    if args.device != "xpu":
+        raise PerfsimError("--emit-slurm writes an SMNG-P2 (XPU) job; use --device xpu or leave --device out")
+    world = args.nodes * TILES_PER_NODE
+    options = _options(args, world, TILES_PER_NODE)
+    _check_plan(options, world)
+    system = args.system or DEFAULT_SYSTEM["xpu"]
+    from perfsim.spec.system import load_system
+    load_system(system)
+    out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
+    fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", out)
+    job = Job(nodes=args.nodes, worker_argv=tuple(worker_argv(options)), fit_argv=() if args.no_fit else fit,
+              time=args.time, partition=args.partition, account=args.account, setup=tuple(args.setup))
+    path = args.emit_slurm
+    if os.path.isdir(path):
+        raise PerfsimError(f"--emit-slurm {path} is a directory; give a file name such as calibrate.sbatch")
+    try:
+        with open(path, "w") as fh:
+            fh.write(script(job))
+    except OSError as exc:
+        raise PerfsimError(f"--emit-slurm {path} cannot be written: {exc.strerror or exc}") from None
+    os.chmod(path, 0o755)
+    print(f"wrote {path}: {args.nodes} nodes x {TILES_PER_NODE} tiles; submit with `sbatch {path}`")
