@@ -1,0 +1,171 @@
+"""perfsim.calibrate on synthetic ledgers made from known profiles (no torch): the fit finds the
+numbers back, holds out a quarter of the sizes, and writes a profile perfsim loads; and the
+harness asks perfsim for the shapes it measures."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from perfsim import calibrate as cal
+from perfsim.cost.layer import Gemm, MemoryOp, gemm_time, layer_memory_ops, memory_time
+from perfsim.cost.topology import TopologyCommModel
+from perfsim.spec.model import load_model
+from perfsim.spec.plan import Plan
+from perfsim.spec.system import load_system
+from validate import microbench as mb
+
+
+def _truth():
+    base = load_system("cpu-example")
+    dev = dataclasses.replace(base.device, gemm_efficiency=0.6, gemm_half_dim=90.0, memory_bandwidth_Bps=20e9,
+                              memory_efficiency=0.7, kernel_overhead_s=4e-6, peak_flops_bf16=200e9)
+    node = dataclasses.replace(base.node, node_link_bandwidth_Bps=2e9, node_link_latency_s=80e-6)
+    coll = dataclasses.replace(base.collectives, node_efficiency=1.0)
+    return base, dataclasses.replace(base, device=dev, node=node, collectives=coll)
+
+
+def synthetic_records(truth, noise=0.03, seed=1):
+    """Records as validate/ writes them, with times from `truth` and multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    jitter = lambda: float(np.exp(rng.normal(0, noise)))  # noqa: E731
+    records = []
+
+    def add(suite, op, dtype, shape, t, **extra):
+        records.append({"schema": 1, "key": f"{suite}:{op}:{dtype}:{json.dumps(shape, sort_keys=True)}:{extra}",
+                        "suite": suite, "op": op, "dtype": dtype, "shape": shape, "device": {"kind": "cpu"},
+                        "stats": {"median_s": float(t) * jitter()}, **extra})
+
+    dims = (64, 128, 256, 512, 1024, 2048)
+    for dtype, peak in (("fp32", truth.device.peak_flops_fp32), ("bf16", truth.device.peak_flops_bf16)):
+        for m, n, k in itertools.product(dims, repeat=3):
+            add("gemm", "matmul", dtype, {"count": 1, "m": m, "n": n, "k": k},
+                gemm_time(truth.device, peak, Gemm("g", 1, m, n, k)))
+    for op in cal.ELEMENTWISE_OPS + cal.STREAM_OPS:
+        for e in range(10, 26):
+            n = 1 << e
+            nbytes = mb.traffic_bytes(op, n, "fp32")
+            t = memory_time(truth.device, MemoryOp(op, nbytes))
+            if op in cal.STREAM_OPS:  # streaming reaches the full bandwidth
+                t = nbytes / truth.device.memory_bandwidth_Bps + truth.device.kernel_overhead_s
+            add("memory", op, "fp32", {"rows": max(1, n // 1024), "cols": min(n, 1024)}, t, nbytes=nbytes)
+    comm = TopologyCommModel(truth)
+    for op in cal.COLLECTIVE_OPS:
+        for e in range(10, 27):
+            n = 1 << e
+            add("collective", op, "fp32", {"nbytes": n}, getattr(comm, op)(float(n), 2, 1), group=[2, 1], nbytes=n)
+    return records
+
+
+def test_fit_finds_the_profile_back_and_predicts_held_out_points(tmp_path):
+    base, truth = _truth()
+    records = synthetic_records(truth)
+    calibration = cal.fit(records, base, "synthetic.jsonl")
+    v = {k: f.value for k, f in calibration.values.items()}
+    assert v["device.gemm_efficiency"] == pytest.approx(0.6, rel=0.05)
+    assert v["device.gemm_half_dim"] == pytest.approx(90, rel=0.1)
+    assert v["device.peak_flops_bf16"] == pytest.approx(200e9, rel=0.05)
+    assert v["device.memory_bandwidth_Bps"] * v["device.memory_efficiency"] == pytest.approx(14e9, rel=0.05)
+    assert v["device.memory_bandwidth_Bps"] == pytest.approx(20e9, rel=0.05)
+    assert v["device.kernel_overhead_s"] == pytest.approx(4e-6, rel=0.2)
+    bus = v["node.node_link_bandwidth_Bps"] * v["collectives.node_efficiency"]
+    assert bus == pytest.approx(2e9, rel=0.05)
+    assert v["node.node_link_latency_s"] == pytest.approx(80e-6, rel=0.15)
+    rows = {q.name: q for q in calibration.quality}
+    assert rows["gemm fp32"].held_points > 0 and rows["gemm fp32"].held_mape < 0.05 and rows["gemm fp32"].passed
+    profile_row = next(q for name, q in rows.items() if name.startswith("collectives (profile"))
+    assert profile_row.held_mape < 0.05 and profile_row.passed
+    assert all(f.source and "synthetic.jsonl" in f.source for f in calibration.values.values())
+
+    # the calibrated profile: loads, says "calibrated", names the ledger, keeps the rest
+    base_path = base.path
+    text = cal.calibrated_profile(base_path, calibration, "synthetic.jsonl", "cpu-test", "a test profile")
+    out = tmp_path / "cpu-test.toml"
+    out.write_text(text)
+    system = load_system(str(out))
+    assert system.name == "cpu-test"
+    assert system.provenance["device.gemm_efficiency"][0] == "calibrated"
+    assert "synthetic.jsonl" in system.provenance["device.gemm_efficiency"][1]
+    assert system.provenance["device.peak_flops_fp32"] == base.provenance["device.peak_flops_fp32"]
+    assert system.device.gemm_efficiency == pytest.approx(v["device.gemm_efficiency"], rel=1e-5)
+    assert text.startswith("# Calibrated by `perfsim calibrate`")
+
+
+def test_held_out_is_a_quarter_of_the_sizes_and_the_same_for_every_op():
+    records = synthetic_records(_truth()[1], noise=0)
+    gemm = [r for r in records if r["suite"] == "gemm"]
+    share = sum(cal.held_out(r) for r in gemm) / len(gemm)
+    assert 0.15 < share < 0.35
+    coll = [r for r in records if r["suite"] == "collective"]
+    held_sizes = {r["shape"]["nbytes"] for r in coll if cal.held_out(r)}
+    assert held_sizes and all(cal.held_out(r) == (r["shape"]["nbytes"] in held_sizes) for r in coll)
+
+
+def test_fit_without_collectives_or_gemms_keeps_the_base():
+    base, truth = _truth()
+    memory_only = [r for r in synthetic_records(truth) if r["suite"] == "memory"]
+    calibration = cal.fit(memory_only, base, "m.jsonl")
+    assert "device.gemm_efficiency" not in calibration.values
+    assert "node.node_link_bandwidth_Bps" not in calibration.values
+    assert "device.memory_efficiency" in calibration.values
+
+
+def test_fit_command_writes_a_loadable_profile(run_cli, tmp_path):
+    _, truth = _truth()
+    ledger = tmp_path / "synthetic.jsonl"
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records(truth)) + "{broken\n")
+    out = tmp_path / "cpu-fitted.toml"
+    r = run_cli("calibrate", "--fit", str(ledger), "--system", "cpu-example", "--out", str(out))
+    assert r.code == 0, r.err
+    assert "damaged" in r.err and "gemm fp32" in r.out and f"wrote {out}" in r.out
+    system = load_system(str(out))
+    assert system.name == "cpu-fitted" and "machine-specific" in system.description
+    r = run_cli("predict", "--system", str(out), "--model", "gpt3-125m", "--devices", "2", "--tp", "2", "--json")
+    assert r.code == 0, r.err
+
+
+def test_memory_traffic_matches_perfsims_byte_counts():
+    """The harness's bytes per element are perfsim's: its element counts times its traffic give
+    back perfsim.cost.layer's bytes for every op perfsim models."""
+    model = load_model("gpt3-350m")
+    plan = Plan(tp=2, dp=1, mbs=2, gbs=2)
+    ops = {op.name: float(op.nbytes) for op in layer_memory_ops(model, 2, 2, 1)}
+    found = mb.plan_memory_ops(model, plan)
+    assert {name for name, *_ in found} == set(mb.PERFSIM_MEMORY_OPS) & set(ops)
+    for name, bench, elements, cols in found:
+        assert mb.traffic_bytes(bench, elements, "bf16") == ops[name]
+        assert elements % cols == 0
+
+
+def test_plan_shapes_come_from_perfsim():
+    model = load_model("gpt3-350m")  # hidden 1024, 16 heads, seq 2048
+    gemms = {g[0]: g[1:] for g in mb.plan_gemms(model, Plan(tp=2, dp=1, mbs=1, gbs=1))}
+    assert gemms["qkv"] == (1, 2048, 1536, 1024) and gemms["fc2"] == (1, 2048, 1024, 2048)
+    assert gemms["scores"] == (8, 2048, 2048, 64)
+    assert mb.plan_attention(model, Plan(tp=2, dp=1, mbs=1, gbs=1)) == (8, 2048, 64)
+    # 2D tensor parallelism on a 2 x 2 grid, 2-way data parallel: both grid axes, then dp
+    shapes = mb.plan_group_shapes(model, Plan(tp=4, tp_mode="2d", dp=2, mbs=2, gbs=4))
+    assert sorted(shapes[:2]) == [(2, 1), (2, 2)] and shapes[2] == (2, 4)
+    assert mb.groups_of(2, 2, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mb.group_shapes(model, Plan(tp=8, dp=2, mbs=1, gbs=2), 16, 8) == [(8, 1), (2, 8), (16, 1), (2, 1)]
+
+
+def test_points_have_stable_unique_keys():
+    model = load_model("gpt3-350m")
+    plan = Plan(tp=2, dp=1, mbs=1, gbs=1)
+    sweep = mb.default_sweep("cpu", quick=True)
+    points = mb.build_points("cpu", ("fp32", "bf16"), model, plan, 2, 2, sweep)
+    keys = [p.key("cpu", 2) for p in points]
+    assert len(set(keys)) == len(keys)
+    again = mb.build_points("cpu", ("fp32", "bf16"), model, plan, 2, 2, sweep)
+    assert [p.key("cpu", 2) for p in again] == keys
+    assert {p.suite for p in points} == set(mb.SUITES)
+    assert {p.op for p in points if p.suite == "collective"} == set(mb.COLLECTIVES)
+    sizes = sorted({p.dims["nbytes"] for p in points if p.suite == "collective"})
+    assert sizes[0] == 1024 and sizes[-1] == 1024 * 1024
+    full = mb.default_sweep("cuda")
+    assert full.collective_bytes[0] == 1024 and full.collective_bytes[-1] >= 256 * 1024 * 1024

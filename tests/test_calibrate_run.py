@@ -1,0 +1,139 @@
+"""`perfsim calibrate` for real on this machine's CPU (torch, gloo): a tiny 2-process collective
+benchmark, a tiny GEMM sweep and its fit, a campaign killed half-way and resumed, and the
+command's input errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from perfsim.calibrate import read_ledger
+from perfsim.spec.model import load_model
+from perfsim.spec.plan import Plan
+from perfsim.spec.system import load_system
+
+torch = pytest.importorskip("torch")
+
+from validate import microbench as mb  # noqa: E402
+from validate.campaign import Options, run_worker  # noqa: E402
+
+
+def worker_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.mark.multiprocess
+def test_two_process_gloo_collectives(run_cli, tmp_path):
+    ledger = tmp_path / "coll.jsonl"
+    r = run_cli("calibrate", "--device", "cpu", "--nproc", "2", "--quick", "--suites", "collective",
+                "--max-bytes", "16KiB", "--ledger", str(ledger), "--no-fit", "--model",
+                "layers=2,hidden=64,heads=4,seq=32,vocab=256")
+    assert r.code == 0, r.err
+    records, problems = read_ledger(str(ledger))
+    assert problems == []
+    assert {x["op"] for x in records} == set(mb.COLLECTIVES)
+    assert all("error" not in x for x in records), [x.get("error") for x in records]
+    sizes = sorted({x["shape"]["nbytes"] for x in records})
+    assert sizes == [1024, 2048, 4096, 8192, 16384]
+    one = records[0]
+    assert one["group"] == [2, 1] and one["world"] == 2 and one["backend"] == "gloo"
+    assert one["device"]["kind"] == "cpu" and one["software"]["torch"] == torch.__version__
+    assert one["stats"]["repeats"] >= 3 and one["stats"]["min_s"] <= one["stats"]["median_s"] <= one["stats"]["max_s"]
+    assert "MASTER_PORT" in one["env"]
+
+
+def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
+    """One rank in-process: a tiny GEMM and memory sweep, then the fit writes a profile."""
+    ledger = tmp_path / "gemm.jsonl"
+    options = Options(device="cpu", ledger=str(ledger), model="layers=2,hidden=128,heads=4,seq=64,vocab=512",
+                      plan={"tp": 1, "dp": 1, "gbs": 1}, dtypes=("fp32", "bf16"), suites=("gemm", "memory"),
+                      quick=True, warmup=1, repeats=3, min_time_s=2e-4, threads=1)
+    measured = run_worker(options, environ={})
+    records, problems = read_ledger(str(ledger))
+    assert problems == [] and len(records) == measured > 10
+    gemm = [x for x in records if x["suite"] == "gemm"]
+    assert {x["dtype"] for x in gemm} == {"fp32", "bf16"} and any(x["origin"] == "plan" for x in gemm)
+    assert all(x["flops"] == 2 * x["shape"]["count"] * x["shape"]["m"] * x["shape"]["n"] * x["shape"]["k"] for x in gemm)
+    assert run_worker(options, environ={}) == 0  # everything is in the ledger: nothing measured again
+
+    from perfsim.calibrate import fit_ledger
+    out = tmp_path / "cpu-tiny.toml"
+    calibration = fit_ledger(str(ledger), "cpu-example", str(out))
+    assert {"device.gemm_efficiency", "device.gemm_half_dim", "device.kernel_overhead_s"} <= set(calibration.values)
+    system = load_system(str(out))
+    assert system.provenance["device.gemm_half_dim"] == ("calibrated", calibration.values["device.gemm_half_dim"].source)
+    assert "gemm.jsonl" in system.provenance["device.gemm_efficiency"][1]
+
+
+def _lines(path):
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.multiprocess
+def test_killed_half_way_and_resumed(tmp_path):
+    """SIGKILL a campaign after a few records, damage its tail as a kill mid-write would, run the
+    same command again: every point recorded exactly once."""
+    ledger = tmp_path / "resume.jsonl"
+    model = "layers=2,hidden=128,heads=4,seq=64,vocab=512"
+    argv = [sys.executable, "-m", "perfsim.cli", "calibrate", "--worker", "--device", "cpu", "--quick",
+            "--suites", "gemm,memory", "--dtypes", "fp32", "--ledger", str(ledger), "--model", model, "--tp", "1",
+            "--min-time", "0.01", "--repeats", "2", "--warmup", "0", "--threads", "1"]
+    proc = subprocess.Popen(argv, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while _lines(ledger) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before, _ = read_ledger(str(ledger))
+    with open(ledger, "a") as fh:
+        fh.write('{"schema": 1, "key": "gemm:matmul:fp32:0123')  # a record cut short by the kill
+    done = subprocess.run(argv, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "damaged" in done.stderr and "already in" in done.stderr
+
+    records, problems = read_ledger(str(ledger))
+    assert len(problems) == 1
+    keys = [json.loads(line)["key"] for line in ledger.read_text().splitlines() if line.startswith('{"schema":1')]
+    assert len(keys) == len(set(keys)), "a point was recorded twice"
+    expected = mb.build_points("cpu", ("fp32",), load_model(model), Plan(tp=1, dp=1, gbs=1), 1, 1,
+                               mb.default_sweep("cpu", quick=True), ("gemm", "memory"))
+    assert set(keys) == {p.key("cpu", 1) for p in expected}, "a point was lost"
+    assert 4 <= len(before) < len(expected), "the kill did not land half-way"
+    assert {r["key"] for r in before} <= set(keys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--device", "tpu"), "invalid choice: 'tpu'"),
+    (("--device", "cuda", "--system", "dgx-a100"), "--device cuda:"),
+    (("--device", "cpu", "--ledger", "/nonexistent/folder/l.jsonl"), "does not exist"),
+    (("--device", "cpu", "--nproc", "3", "--tp", "2"), "not a multiple of tp x pp"),
+    (("--device", "cpu", "--nproc", "2", "--tp", "2", "--model", "layers=2,hidden=96,heads=3,seq=32,vocab=64"),
+     "must divide the 3 attention heads"),
+    (("--device", "cpu", "--system", "nosuch"), "unknown system 'nosuch'"),
+    (("--emit-slurm", "x.sbatch"), "--emit-slurm needs --nodes"),
+    ((), "give --device"),
+])
+def test_input_errors_exit_2(run_cli, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("calibrate", *argv)
+    assert r.code == 2 and r.err.startswith("perfsim: error: ") and message in r.err
+    assert r.err.count("\n") == 1 and "Traceback" not in r.err
+
+
+def test_backend_not_available_exits_2(run_cli, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)
+    r = run_cli("calibrate", "--device", "cpu", "--nproc", "2")
+    assert r.code == 2 and "no gloo backend" in r.err
