@@ -1,0 +1,680 @@
+"""Event simulation of one training step (docs/simulator.md).
+
+One timeline per pipeline stage: the ranks of a tensor-parallel group, and the data-parallel
+replicas of a stage, run the same tasks at the same times, so one representative rank per stage
+stands for all of them (docs/simulator.md says where that is not exact). Each stage has a compute
+stream (forward, backward, recomputation and weight-gradient passes, with the tensor-parallel
+collectives and the blocking pipeline sends between them, as in Megatron-LM) and a data-parallel
+stream (ZeRO-3 weight prefetch, bucketed gradient reduction). Pipeline sends, data-parallel and
+cross-node tensor-parallel collectives, and the tied-embedding all-reduce are transfers: where
+they cross a node boundary they use the NIC of the rank's node, and transfers of different kinds
+on one NIC share it (engine.py).
+
+Every duration comes from the cost layer: `stage_costs` and `stage_phases` per micro-batch,
+the collectives of `data_parallel`, the optimizer step; nothing is re-derived here.
+
+`simulate(model, system, plan)` runs a plan; `step_costs` and `run_step` are the two halves, so
+that tests can hand the simulator stage times of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from perfsim.cost.columns import Columns, columns_of
+from perfsim.cost.data_parallel import (optimizer_time, step_reduction_time, tied_embedding_time,
+                                        zero_microbatch_times)
+from perfsim.cost.memory import stage_params
+from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
+from perfsim.cost.topology import TopologyCommModel, nic_of
+from perfsim.errors import PerfsimError
+from perfsim.schedule import engine
+from perfsim.schedule.analytic import BREAKDOWN_KEYS
+from perfsim.schedule.orders import SCHEDULES, B, F, W, stage_order
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.system import System
+
+POSITIONS = ("first", "middle", "last")
+# Kinds of time (the breakdown keys, less pp_bubble) and the timeline rows they are drawn on.
+COMPUTE, RECOMPUTE, TP, PP, DP, OPTIMIZER, OTHER = "compute", "recompute", "tp_comm", "pp_comm", "dp_comm", \
+    "optimizer", "other"
+LANES = ("compute", "tp", "pp", "dp")
+LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0}
+# Traffic classes: transfers of one class never slow each other down further (engine.py).
+PP_FORWARD, PP_BACKWARD, DP_TRAFFIC, TP_TRAFFIC, TIED_TRAFFIC = 1, 2, 3, 4, 5
+
+
+@dataclass
+class StepCosts:
+    """Everything the simulation of one step needs, in seconds; per-position values are dicts over
+    POSITIONS ("first", "middle", "last": a stage's time per micro-batch, all its chunks together;
+    with p = 1 only "first" is used, and holds the whole model)."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    layers: int
+    forward_compute: dict
+    forward_tp: dict
+    recompute: dict
+    backward_compute: dict   # input and weight gradient together
+    backward_tp: dict
+    weight_grad: dict        # the weight-gradient part of backward_compute (W of zb-h1)
+    hop_s: float             # one pipeline send
+    dp: int = 1
+    zero: int = 0
+    dp_overlap: float = 0.0
+    reduction_rest: dict = field(default_factory=dict)     # ZeRO-0/1, after the last backward
+    reduction_bucket: dict = field(default_factory=dict)   # ZeRO-0/1, one bucket during it
+    scatter_rest: dict = field(default_factory=dict)       # ZeRO-2, per chunk and micro-batch
+    scatter_bucket: dict = field(default_factory=dict)     # ZeRO-2/3, one bucket of it
+    gather: dict = field(default_factory=dict)             # ZeRO-3, one chunk's weights
+    post_gather: dict = field(default_factory=dict)        # ZeRO-1/2 weights after the step
+    optimizer: dict = field(default_factory=dict)
+    tied_s: float = 0.0
+    overhead_s: float = 0.0
+    recompute_full: bool = False
+    # Placement: the NIC id of each stage's representative rank, and which transfers leave the node.
+    nic: list = field(default_factory=list)
+    pp_cross: list = field(default_factory=list)    # hop stage i -> i+1 (the last entry: p-1 -> 0)
+    dp_cross: list = field(default_factory=list)
+    tp_cross: list = field(default_factory=list)
+    tied_cross: bool = False
+    share_links: bool = True   # False: every transfer takes its own time, whatever overlaps it
+
+    @property
+    def buckets(self) -> int:
+        """Gradient buckets per chunk: one per layer (docs/simulator.md)."""
+        return max(1, self.layers // (self.p * self.v))
+
+
+def _position(i: int, p: int) -> str:
+    return "first" if i == 0 else "last" if i == p - 1 else "middle"
+
+
+def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts, phases: tuple,
+               schedule: str | None = None) -> StepCosts:
+    """The simulator's inputs from the cost layer, for one plan given as Columns of numbers."""
+    from perfsim.spec.plan import SCHEDULES as PLAN_SCHEDULES
+
+    f = lambda x: float(np.asarray(x))  # noqa: E731
+    p, v, m, dp = int(c.pp), int(c.vpp), int(c.microbatches), int(c.dp)
+    schedule = schedule or PLAN_SCHEDULES[int(c.schedule)]
+    comm = TopologyCommModel(system)
+    times = dict(zip(POSITIONS, (stages.first, stages.middle, stages.last)))
+    parts = dict(zip(POSITIONS, phases))
+    params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
+              "last": f(stages.params_last)}
+    o = float(system.framework.dp_overlap)
+    layers_per_chunk = max(1, model.layers // (p * v))
+    zero = int(c.zero)
+
+    def per(fn):
+        return {k: f(fn(k)) for k in POSITIONS}
+
+    costs = StepCosts(
+        schedule=schedule, p=p, m=m, v=v, layers=model.layers,
+        forward_compute=per(lambda k: parts[k].forward_compute),
+        forward_tp=per(lambda k: parts[k].forward_tp),
+        recompute=per(lambda k: times[k].recompute),
+        backward_compute=per(lambda k: times[k].compute - parts[k].forward_compute),
+        backward_tp=per(lambda k: times[k].tp_comm - parts[k].forward_tp),
+        weight_grad=per(lambda k: parts[k].weight_grad),
+        hop_s=f(stages.middle.pp_comm) / (2 * v) if p > 1 else 0.0,
+        dp=dp, zero=zero, dp_overlap=o, recompute_full=int(c.recompute) == 2,
+        overhead_s=float(system.framework.step_overhead_s),
+        tied_s=f(tied_embedding_time(model, system, comm, c)),
+        optimizer=per(lambda k: optimizer_time(system, c, params[k])),
+    )
+    if dp > 1:
+        reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731
+        chunk = {k: params[k] / v for k in POSITIONS}
+        if zero <= 1:
+            costs.reduction_rest = per(lambda k: reduction(params[k] * (1 - o))[0] if o < 1 else 0.0)
+            costs.reduction_bucket = per(lambda k: reduction(chunk[k] * o / layers_per_chunk)[0] if o > 0 else 0.0)
+        if zero == 2:
+            costs.scatter_rest = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] * (1 - o))[0]
+                                     if o < 1 else 0.0)
+            costs.scatter_bucket = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] * o / layers_per_chunk)[0]
+                                       if o > 0 else 0.0)
+        if zero == 3:
+            costs.scatter_bucket = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] / layers_per_chunk)[0])
+            costs.gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k])[1])
+        if zero in (1, 2):
+            costs.post_gather = per(lambda k: reduction(params[k])[1])
+    _place(costs, system, c)
+    return costs
+
+
+def _place(costs: StepCosts, system: System, c: Columns) -> None:
+    """Which transfers of each stage's representative rank (the stage's first rank) leave its node,
+    and through which NIC."""
+    D = system.node.devices_per_node
+    s = {k: int(v) for k, v in c.strides.items()}
+    p, dp, tp = costs.p, costs.dp, int(c.tp)
+    rank = [i * s["pp"] for i in range(p)]
+    node = [r // D for r in rank]
+    nics: dict = {}
+    costs.nic = [nics.setdefault((r // D, nic_of(system, r % D)), len(nics)) for r in rank]
+    costs.pp_cross = [node[i] != node[(i + 1) % p] for i in range(p)]
+    costs.dp_cross = [(r + (dp - 1) * s["dp"]) // D != r // D for r in rank]
+    costs.tp_cross = [(r + (tp - 1) * s["tp"]) // D != r // D for r in rank]
+    costs.tied_cross = node[0] != node[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the task graph
+
+
+@dataclass
+class Task:
+    """What the timeline shows of a task (the engine only sees numbers)."""
+    stage: int
+    segments: tuple  # ((kind, seconds), ...) in order; a transfer has one
+    label: object    # (pass kind, micro-batch, chunk) or a name
+
+
+class _Builder:
+    def __init__(self, costs: StepCosts):
+        self.k = costs
+        self.g = engine.Graph()
+        self.meta: list = []           # per task: (stage, segments, label)
+        self.main: list = [[] for _ in range(costs.p)]   # compute-stream tasks per stage, in order
+        self.side: list = [[] for _ in range(costs.p)]   # data-parallel-stream tasks per stage
+        self._main_last = [-1] * costs.p
+        self._side_last = [-1] * costs.p
+        self.tied = self.sync = self.end = None
+
+    def task(self, stage, segments, label, deps=(), links=None, cls=0, stream="main", work=None, tail=0.0):
+        """A task on the stage's compute stream ("main"), its data-parallel stream ("side") or on
+        none (None); `work` defaults to the segments' total."""
+        if work is None:
+            work = sum(d for _, d in segments)
+        if links is not None and tail == 0.0:  # a transfer and nothing else
+            work, tail = 0.0, work
+        if stream == "main":
+            t = self.g.add(work, (self._main_last[stage], *deps), links, cls, tail)
+            self._main_last[stage] = t
+            self.main[stage].append(t)
+        elif stream == "side":
+            t = self.g.add(work, (self._side_last[stage], *deps), links, cls, tail)
+            self._side_last[stage] = t
+            self.side[stage].append(t)
+        else:
+            t = self.g.add(work, deps, links, cls, tail)
+        self.meta.append((stage, segments, label))
+        return t
+
+    def links(self, stage: int, peer: int | None = None):
+        """NIC links of a transfer from `stage` (to `peer`; a collective inside the stage without);
+        None when the simulation does not share links."""
+        if not self.k.share_links:
+            return None
+        nic = self.k.nic
+        if peer is None:
+            return (2 * nic[stage], 2 * nic[stage] + 1)
+        return (2 * nic[stage], 2 * nic[peer] + 1)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """How one (kind, chunk) pass of one stage runs, the same for every micro-batch: its segments
+    on the compute stream (with its TP collectives and its blocking send, unless those are
+    transfers of their own), the work before the send, the send as a shared-link transfer (tail,
+    links) when it crosses nodes, a cross-node TP collective's time, and where the send goes."""
+    segments: tuple
+    work: float
+    tail: float = 0.0
+    links: tuple | None = None
+    cls: int = 0
+    split_tp: float = 0.0
+    target: tuple | None = None
+    receives: bool = False
+
+
+def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
+    p, v = k.p, k.v
+
+    def part(values: dict, chunk: int) -> float:
+        """One chunk's share on stage i: the layers split evenly over the chunks, the embedding
+        on the first chunk of the first stage, the head on the last chunk of the last stage."""
+        if p == 1:
+            return values["first"]
+        x = values["middle"] / v
+        if i == 0 and chunk == 0:
+            x += values["first"] - values["middle"]
+        if i == p - 1 and chunk == v - 1:
+            x += values["last"] - values["middle"]
+        return x
+
+    out = {}
+    split = k.tp_cross[i]  # a cross-node TP collective is a transfer of its own
+    previous = (i - 1) % p
+    for chunk in range(v):
+        wg = min(part(k.weight_grad, chunk), part(k.backward_compute, chunk)) if zb else 0.0
+        tp_f, tp_b = part(k.forward_tp, chunk), part(k.backward_tp, chunk)
+        parts = {F: [(COMPUTE, part(k.forward_compute, chunk)), (TP, 0.0 if split else tp_f)],
+                 B: [(RECOMPUTE, part(k.recompute, chunk)), (COMPUTE, part(k.backward_compute, chunk) - wg),
+                     (TP, 0.0 if split else tp_b)],
+                 W: [(COMPUTE, wg)]}
+        for kind, segs in parts.items():
+            segments = tuple((x, d) for x, d in segs if d > 0.0) or ((COMPUTE, 0.0),)
+            work = sum(d for _, d in segments)
+            target = None if kind == W else (_forward_target if kind == F else _backward_target)(i, chunk, p, v)
+            tail, links, cls = 0.0, None, 0
+            if target is not None and k.hop_s > 0 and not split:
+                segments += ((PP, k.hop_s),)
+                cross = k.pp_cross[i] if kind == F else k.pp_cross[previous]
+                links = b.links(i, target[0]) if cross else None
+                if links is not None:
+                    tail, cls = k.hop_s, PP_FORWARD if kind == F else PP_BACKWARD
+                else:
+                    work += k.hop_s
+            split_tp = (tp_f if kind == F else tp_b if kind == B else 0.0) if split else 0.0
+            source = None if kind == W else (_forward_source if kind == F else _backward_source)(i, chunk, p, v)
+            out[(kind, chunk)] = _Pass(segments, work, tail, links, cls, split_tp, target, source is not None)
+    return out
+
+
+def build(costs: StepCosts):
+    """The task graph of one step; returns the builder (graph, display data, stream lists)."""
+    k = costs
+    p, m, v = k.p, k.m, k.v
+    if k.schedule not in SCHEDULES:
+        raise PerfsimError(f"schedule must be one of {', '.join(SCHEDULES)}, got {k.schedule!r}")
+    zb = k.schedule == "zb-h1"
+    b = _Builder(costs)
+    nb = costs.buckets
+    orders = [stage_order(k.schedule, i, p, m, v) for i in range(p)]
+    # The pass that produces a chunk's weight gradients: B, or W under zb-h1.
+    grad_kind = W if zb else B
+    hop = ((PP, k.hop_s),)
+    add, meta, main_last = b.g.add, b.meta, b._main_last
+    sends = {}      # (kind, micro-batch, receiving stage, its chunk) -> task the receiver waits for
+    receives = []   # (receiving pass, key into sends)
+    zero3 = k.zero == 3 and k.dp > 1
+    for i in range(p):
+        pos = _position(i, p)
+        dp_links = b.links(i) if k.dp_cross[i] else None
+        order = orders[i]
+        main_i = b.main[i]
+        templates = _templates(b, k, i, zb)
+        last_grad = {}
+        for index, (kind, j, chunk) in enumerate(order):
+            if kind == grad_kind:
+                last_grad[chunk] = index
+        # ZeRO-3: every F and B pass waits for its chunk's weights (B twice over with full
+        # recomputation); the gather of the next pass may start when this one starts (prefetch one).
+        gather_for = [None if kind == W else k.gather[pos] * (2 if kind == B and k.recompute_full else 1)
+                      for kind, _, _ in order] if zero3 else None
+
+        def gather(index, after):
+            t = b.task(i, ((DP, gather_for[index]),), ("gather",) + order[index], links=dp_links, cls=DP_TRAFFIC,
+                       stream="side")
+            if after >= 0:
+                b.g.after_start(t, after, 0.0)
+            return t
+
+        pending = {}
+        if zero3:
+            first = next((n for n, x in enumerate(gather_for) if x is not None), None)
+            if first is not None:
+                pending[first] = gather(first, -1)
+        for index, (kind, j, chunk) in enumerate(order):
+            x = templates[(kind, chunk)]
+            task = add(x.work, (main_last[i], pending.pop(index)) if index in pending else (main_last[i],),
+                       x.links, x.cls, x.tail)
+            main_last[i] = task
+            main_i.append(task)
+            meta.append((i, x.segments, (kind, j, chunk)))
+            if zero3:
+                later = next((n for n in range(index + 1, len(order)) if gather_for[n] is not None), None)
+                if later is not None and later not in pending:
+                    pending[later] = gather(later, task)
+            if x.receives:
+                receives.append((task, (kind, j, i, chunk)))
+            if x.split_tp > 0:  # the TP collective and the send as transfers of their own
+                b.task(i, ((TP, x.split_tp),), ("tp", kind, j, chunk), links=b.links(i), cls=TP_TRAFFIC, work=0.0,
+                       tail=x.split_tp)
+                if x.target is not None and k.hop_s > 0:
+                    cross = k.pp_cross[i] if kind == F else k.pp_cross[(i - 1) % p]
+                    b.task(i, hop, ("send", kind, j, chunk), links=b.links(i, x.target[0]) if cross else None,
+                           cls=PP_FORWARD if kind == F else PP_BACKWARD, work=0.0, tail=k.hop_s)
+            if x.target is not None:
+                sends[(kind, j, x.target[0], x.target[1])] = main_last[i]
+            if kind == grad_kind and k.dp > 1:
+                _reduce(b, k, i, pos, chunk, task, x.segments, index == last_grad.get(chunk), dp_links, nb)
+    for consumer, key in receives:
+        b.g.depend(consumer, sends[key])
+    _finish(b, k)
+    return b
+
+
+def _forward_source(i, chunk, p, v):
+    if i > 0:
+        return (i - 1, chunk)
+    return (p - 1, chunk - 1) if chunk > 0 else None
+
+
+def _forward_target(i, chunk, p, v):
+    if i < p - 1:
+        return (i + 1, chunk)
+    return (0, chunk + 1) if chunk < v - 1 else None
+
+
+def _backward_source(i, chunk, p, v):
+    if i < p - 1:
+        return (i + 1, chunk)
+    return (0, chunk + 1) if chunk < v - 1 else None
+
+
+def _backward_target(i, chunk, p, v):
+    if i > 0:
+        return (i - 1, chunk)
+    return (p - 1, chunk - 1) if chunk > 0 else None
+
+
+def _reduce(b: _Builder, k: StepCosts, i: int, pos: str, chunk: int, pass_task: int, segments, last: bool,
+            links, nb: int) -> None:
+    """Gradient buckets of one gradient-producing pass: released one by one as the pass's
+    compute segment runs (one bucket per layer), reduced on the data-parallel stream; ZeRO-2's
+    non-overlapped share blocks the compute stream after the pass."""
+    if k.zero <= 1:
+        bucket = k.reduction_bucket.get(pos, 0.0) if last else 0.0
+    else:
+        bucket = k.scatter_bucket.get(pos, 0.0)
+    if bucket > 0:
+        offset, grad = 0.0, 0.0
+        for kind, d in segments:
+            if kind == COMPUTE:
+                grad = d
+                break
+            offset += d
+        for n in range(nb):
+            t = b.task(i, ((DP, bucket),), ("bucket", n, chunk), links=links, cls=DP_TRAFFIC, stream="side")
+            b.g.after_start(t, pass_task, offset + grad * (n + 1) / nb)
+    if k.zero == 2 and k.scatter_rest.get(pos, 0.0) > 0:
+        t = b.task(i, ((DP, k.scatter_rest[pos]),), ("reduce-scatter", chunk), deps=(pass_task,), links=links,
+                   cls=DP_TRAFFIC, stream="side")
+        b.g.depend(_blocker(b, i), t)
+
+
+def _blocker(b: _Builder, i: int) -> int:
+    """A zero-length task on the compute stream that the next pass must wait behind."""
+    return b.task(i, ((DP, 0.0),), ("wait",))
+
+
+def _finish(b: _Builder, k: StepCosts) -> None:
+    """After the last pass: the rest of the gradient reduction, the tied-embedding all-reduce, a
+    step-wide synchronisation (the gradient-norm all-reduce of clipping, timed as free), the
+    optimizer step, the ZeRO-1/2 weight all-gather, and the framework's per-step overhead."""
+    p = k.p
+    done = []
+    for i in range(p):
+        pos = _position(i, p)
+        links = b.links(i) if k.dp_cross[i] else None
+        rest = k.reduction_rest.get(pos, 0.0) if k.zero <= 1 else 0.0
+        if rest > 0:
+            b.task(i, ((DP, rest),), ("reduce",), deps=(b._main_last[i],), links=links, cls=DP_TRAFFIC,
+                   stream="side")
+        done.append((b._main_last[i], b._side_last[i]))
+    last = [b._main_last[i] for i in range(p)]
+    if k.tied_s > 0 and p > 1:
+        ends = b.links(0), b.links(p - 1)
+        links = ends[0] + ends[1] if k.tied_cross and ends[0] is not None else None
+        tied = b.task(0, ((PP, k.tied_s),), ("tied embedding all-reduce",),
+                      deps=(*done[0], *done[p - 1]), links=links, cls=TIED_TRAFFIC)
+        last[0] = tied
+        b.tied = tied
+    else:
+        b.tied = None
+    sync = b.task(0, (), ("sync",), deps=[t for pair in done for t in pair] + last, stream=None)
+    for i in range(p):
+        pos = _position(i, p)
+        b._main_last[i] = -1
+        b.task(i, ((OPTIMIZER, k.optimizer.get(pos, 0.0)),), ("optimizer step",), deps=(sync,))
+        gather = k.post_gather.get(pos, 0.0)
+        if gather > 0:
+            b.task(i, ((DP, gather),), ("weight all-gather",), links=b.links(i) if k.dp_cross[i] else None,
+                   cls=DP_TRAFFIC)
+    end = b.task(0, (), ("step end",), deps=[b._main_last[i] for i in range(p)], stream=None)
+    b.sync, b.end = sync, end
+    for i in range(p):
+        b._main_last[i] = -1
+        if k.overhead_s > 0:
+            b.task(i, ((OTHER, k.overhead_s),), ("step overhead",), deps=(end,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class SimResult:
+    """One simulated step. Times in seconds from the start of the step."""
+
+    step_time_s: float
+    time_breakdown_s: dict         # exposed time on `breakdown_stage`; adds up to step_time_s
+    breakdown_stage: int
+    stages: list                   # per stage: busy_s, idle_s, busy_by_kind_s, dp_stream_busy_s
+    critical_path: dict            # by_kind_s, and runs of consecutive tasks on one stage
+    schedule: str
+    p: int
+    m: int
+    v: int
+    tasks: int
+    wall_s: float
+    start: list = field(repr=False, default_factory=list)
+    end: list = field(repr=False, default_factory=list)
+    meta: list = field(repr=False, default_factory=list)
+    main: list = field(repr=False, default_factory=list)
+    side: list = field(repr=False, default_factory=list)
+
+    def as_json(self) -> dict:
+        return {"step_time_s": self.step_time_s, "schedule": self.schedule, "pp": self.p, "microbatches": self.m,
+                "vpp": self.v, "time_breakdown_s": self.time_breakdown_s, "breakdown_stage": self.breakdown_stage,
+                "stages": self.stages, "critical_path": self.critical_path, "tasks": self.tasks,
+                "simulation_wall_s": self.wall_s}
+
+
+def run_step(costs: StepCosts) -> SimResult:
+    """Build and run the step; summarise it."""
+    clock = time.perf_counter()
+    b = build(costs)
+    start, end, cause = engine.run(b.g)
+    step = max(end)
+    stages = [_stage_summary(b, start, end, i, step) for i in range(costs.p)]
+    reference = max(range(costs.p), key=lambda i: (stages[i]["busy_s"], -i))
+    breakdown = _exposed(b, start, end, cause, reference, step)
+    path = _critical_path(b, start, end, cause)
+    return SimResult(step_time_s=step, time_breakdown_s=breakdown, breakdown_stage=reference, stages=stages,
+                     critical_path=path, schedule=costs.schedule, p=costs.p, m=costs.m, v=costs.v,
+                     tasks=len(b.g), wall_s=time.perf_counter() - clock, start=start, end=end, meta=b.meta,
+                     main=b.main, side=b.side)
+
+
+def _kinds_of(meta, s, e, lo=-math.inf, hi=math.inf):
+    """Seconds of each kind a task spends inside [lo, hi]: its segments laid out from its start s,
+    the last one stretched to its end e (a transfer slowed down by sharing its links)."""
+    segments = meta[1]
+    out = {}
+    t = s
+    last = len(segments) - 1
+    for n, (kind, d) in enumerate(segments):
+        z = e if n == last else t + d
+        a, zz = max(t, lo), min(z, hi)
+        if zz > a:
+            out[kind] = out.get(kind, 0.0) + (zz - a)
+        t = z
+    return out
+
+
+def _stage_summary(b: _Builder, start, end, i: int, step: float) -> dict:
+    by_kind: dict = {}
+    uses: dict = {}  # id of a shared segments tuple -> [segments, count, stretch of its last segment]
+    meta = b.meta
+    for t in b.main[i]:
+        segments = meta[t][1]
+        entry = uses.get(id(segments))
+        if entry is None:
+            entry = uses[id(segments)] = [segments, 0, 0.0, sum(d for _, d in segments)]
+        entry[1] += 1
+        entry[2] += end[t] - start[t] - entry[3]
+    for segments, count, stretch, _ in uses.values():
+        for kind, d in segments:
+            by_kind[kind] = by_kind.get(kind, 0.0) + count * d
+        kind = segments[-1][0]
+        by_kind[kind] = by_kind.get(kind, 0.0) + stretch
+    by_kind = {kind: x for kind, x in by_kind.items() if x > 1e-12}
+    busy = sum(by_kind.values())
+    side = sum(end[t] - start[t] for t in b.side[i])
+    return {"stage": i, "busy_s": busy, "idle_s": max(step - busy, 0.0), "busy_by_kind_s": by_kind,
+            "dp_stream_busy_s": side}
+
+
+def _exposed(b: _Builder, start, end, cause, i: int, step: float) -> dict:
+    """Exposed time on stage i: while its compute stream runs, the kind of what runs; while it
+    waits, the kind of what it waits for, followed back along the chain of causes inside the
+    gap: data-parallel transfers count as dp_comm, the tied-embedding all-reduce as pp_comm,
+    and everything else (other stages' passes and sends) as the pipeline bubble."""
+    out = {k: 0.0 for k in BREAKDOWN_KEYS}
+    meta = b.meta
+    clock = 0.0
+    side_tasks = set()
+    for stage_side in b.side:
+        side_tasks.update(stage_side)
+    for t in b.main[i] + [None]:
+        gap_end = step if t is None else start[t]
+        if gap_end > clock + 1e-15:
+            _attribute_gap(b, start, end, cause, t if t is not None else b.end, clock, gap_end, side_tasks, out)
+        if t is None:
+            break
+        for kind, x in _kinds_of(meta[t], start[t], end[t]).items():
+            out[kind] += x
+        clock = max(clock, end[t])
+    return out
+
+
+def _attribute_gap(b, start, end, cause, waiter, lo, hi, side_tasks, out):
+    total = hi - lo
+    known = 0.0
+    x = cause[waiter]
+    limit = hi
+    while x >= 0 and limit > lo:
+        s, e = start[x], min(end[x], limit)
+        kinds = b.meta[x][1]
+        kind = kinds[0][0] if len(kinds) == 1 else None
+        if x in side_tasks or kind == DP:
+            a = max(s, lo)
+            if e > a:
+                out[DP] += e - a
+                known += e - a
+        elif x == b.tied:
+            a = max(s, lo)
+            if e > a:
+                out[PP] += e - a
+                known += e - a
+        limit = min(limit, s)
+        x = cause[x]
+    out["pp_bubble"] += max(total - known, 0.0)
+
+
+def _critical_path(b: _Builder, start, end, cause) -> dict:
+    """The chain of tasks that set the step time, from the end back to 0, as runs of consecutive
+    tasks on one stage (a transfer counts on its sender's stage)."""
+    last = max(range(len(end)), key=lambda t: (end[t], t))
+    chain = []
+    t, upto = last, end[last]
+    while t >= 0:
+        chain.append((t, upto))
+        upto = start[t]
+        t = cause[t]
+    chain.reverse()
+    by_kind: dict = {}
+    runs: list = []
+    for t, upto in chain:
+        kinds = _kinds_of(b.meta[t], start[t], end[t], hi=upto)
+        if not kinds:
+            continue
+        stage = b.meta[t][0]
+        for kind, x in kinds.items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + x
+        if runs and runs[-1]["stage"] == stage:
+            run = runs[-1]
+            run["end_s"] = upto
+            run["tasks"] += 1
+        else:
+            run = {"stage": stage, "start_s": start[t], "end_s": upto, "tasks": 1, "by_kind_s": {}}
+            runs.append(run)
+        for kind, x in kinds.items():
+            run["by_kind_s"][kind] = run["by_kind_s"].get(kind, 0.0) + x
+    return {"by_kind_s": by_kind, "runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole plans
+
+
+@dataclass
+class Simulation:
+    result: SimResult
+    prediction: object   # perfsim.predict.Prediction with the simulated step time and breakdown
+    analytic: object     # the closed-form Prediction of the same plan
+
+    def as_json(self) -> dict:
+        out = self.prediction.as_json()
+        out["engine"] = "sim"
+        out["simulation"] = self.result.as_json() | {"analytic_step_time_s": self.analytic.step_time_s,
+                                                      "analytic_time_breakdown_s": self.analytic.time_breakdown_s}
+        return out
+
+
+def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = None) -> Simulation:
+    """Simulate one step of `plan`. `schedule` "zb-h1" replaces a 1F1B plan's schedule by ZB-H1
+    (the plan's own schedule otherwise)."""
+    from perfsim.predict import peak_flops, predict
+    from perfsim.spec.model import load_model
+    from perfsim.spec.system import load_system
+
+    model = load_model(model) if isinstance(model, str) else model
+    system = load_system(system) if isinstance(system, str) else system
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PerfsimError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule == "zb-h1":
+        if plan.vpp > 1 or plan.schedule == "interleaved":
+            raise PerfsimError("zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved")
+        plan = plan.replace(schedule="1f1b")
+    elif schedule is not None:
+        plan = plan.replace(schedule=schedule)
+    analytic = predict(model, system, plan, dtype)  # validates the plan
+    c = columns_of(plan)
+    peak = peak_flops(system, dtype)
+    costs = step_costs(model, system, c, stage_costs(model, system, c, peak), stage_phases(model, system, c, peak),
+                       schedule=schedule or plan.schedule)
+    result = run_step(costs)
+    return Simulation(result, with_step_time(analytic, result.step_time_s, result.time_breakdown_s), analytic)
+
+
+def predict_simulated(model, system, plan, dtype: str = "bf16"):
+    """`perfsim predict --engine sim`: the Prediction of `plan` with the simulated step time and
+    exposed-time breakdown (and every rate that follows from them)."""
+    return simulate(model, system, plan, dtype).prediction
+
+
+def with_step_time(prediction, step: float, breakdown: dict):
+    """`prediction` with another step time: every rate that depends on it follows."""
+    ratio = prediction.step_time_s / step
+    return dataclasses.replace(
+        prediction, step_time_s=step, tokens_per_s=prediction.tokens_per_s * ratio,
+        samples_per_s=prediction.samples_per_s * ratio,
+        model_tflops_per_device=prediction.model_tflops_per_device * ratio,
+        hardware_tflops_per_device=prediction.hardware_tflops_per_device * ratio,
+        megatron_ds_tflops_per_device=prediction.megatron_ds_tflops_per_device * ratio,
+        mfu=prediction.mfu * ratio, hfu=prediction.hfu * ratio,
+        time_breakdown_s={k: float(breakdown[k]) for k in BREAKDOWN_KEYS})
