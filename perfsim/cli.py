@@ -30,6 +30,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_case_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --system, --nodes | --devices and --dtype, as predict takes them."""
+    p.add_argument("--model", help="preset name, key=value spec, or .toml file (default: gpt3-175b)")
+    p.add_argument("--system", help="profile name in hwprofiles/ or a .toml path (default: smng-p2)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--nodes", type=_positive)
+    where.add_argument("--devices", type=_positive)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+
+
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (left out: the built-in case's plan if no model, system or device "
                              "count is given, else no parallelism, micro-batch 1, one micro-batch per replica)")
@@ -96,9 +106,14 @@ def cmd_predict(args) -> None:
     from perfsim.predict import predict
 
     model, system, plan = build_case(args)
-    result = predict(model, system, plan, dtype=args.dtype)
+    if args.engine == "sim":
+        from perfsim.schedule.simulator import predict_simulated
+
+        result = predict_simulated(model, system, plan, dtype=args.dtype)
+    else:
+        result = predict(model, system, plan, dtype=args.dtype)
     if args.json:
-        print(json.dumps(result.as_json(), indent=2))
+        print(json.dumps(result.as_json() | {"engine": args.engine}, indent=2))
     else:
         from perfsim.report import format_prediction
 
@@ -131,13 +146,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="perfsim", description="Predict and explain LLM training performance on HPC systems.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("predict", help="predict one plan's step time, throughput and memory")
-    p.add_argument("--model", help="preset name, key=value spec, or .toml file (default: gpt3-175b)")
-    p.add_argument("--system", help="profile name in hwprofiles/ or a .toml path (default: smng-p2)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--nodes", type=_positive)
-    where.add_argument("--devices", type=_positive)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+    _add_case_flags(p)
     _add_plan_flags(p)
+    p.add_argument("--engine", default="analytic", choices=("analytic", "sim"),
+                   help="step time from the closed form (default) or the event simulation (perfsim simulate)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=cmd_predict)
     prof = sub.add_parser("profiles", help="list system profiles and model presets")

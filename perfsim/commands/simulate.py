@@ -1,0 +1,108 @@
+"""`perfsim simulate`: one training step as an event simulation, with its timeline
+(perfsim/schedule/simulator.py, docs/simulator.md)."""
+
+from __future__ import annotations
+
+import json
+
+from perfsim.errors import PerfsimError
+
+ZERO_BUBBLE = "zb-h1"
+
+
+def register(sub) -> None:
+    from perfsim.cli import _add_case_flags, _add_plan_flags
+
+    p = sub.add_parser("simulate", help="simulate one step event by event: timeline, critical path, idle time")
+    _add_case_flags(p)
+    _add_plan_flags(p)
+    for action in p._actions:  # the simulator also runs the zero-bubble schedule ZB-H1
+        if action.dest == "schedule":
+            action.choices = (*action.choices, ZERO_BUBBLE)
+            action.help = f"pipeline schedule; {ZERO_BUBBLE} (zero bubble, Qi et al. 2024) only in perfsim simulate"
+    p.add_argument("--html", metavar="FILE", help="write the timeline as a self-contained Plotly HTML file")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON (open it in ui.perfetto.dev)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: predict --json's keys with the simulated step, and `simulation`")
+    p.set_defaults(run=run)
+
+
+def run(args) -> None:
+    from perfsim.cli import build_case
+    from perfsim.schedule.simulator import simulate
+
+    schedule = None
+    if args.schedule == ZERO_BUBBLE:
+        schedule, args.schedule = ZERO_BUBBLE, None
+    model, system, plan = build_case(args)
+    sim = simulate(model, system, plan, dtype=args.dtype, schedule=schedule)
+    notes = {}
+    for flag, path, write in (("--trace", args.trace, _write_trace), ("--html", args.html, _write_html)):
+        if path:
+            try:
+                notes[path] = write(sim, path)
+            except OSError as exc:
+                raise PerfsimError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps(sim.as_json(), indent=2))
+    else:
+        print(format_simulation(sim, notes))
+
+
+def _write_trace(sim, path: str) -> str:
+    from perfsim.schedule.timeline import write_trace
+
+    return write_trace(sim.result, path)
+
+
+def _write_html(sim, path: str) -> str:
+    from perfsim.schedule.timeline import write_html
+
+    p = sim.prediction
+    title = (f"{p.model.name} on {p.devices} x {p.system.name}: TP {p.plan.tp} PP {p.plan.pp} DP {p.plan.dp}, "
+             f"{sim.result.schedule}, {sim.result.m} micro-batches - simulated step {sim.result.step_time_s:.3f} s")
+    return write_html(sim.result, path, title=title)
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds * 1e3:9.1f} ms" if abs(seconds) < 1 else f"{seconds:9.3f} s "
+
+
+def format_simulation(sim, notes: dict | None = None) -> str:
+    r, p, a = sim.result, sim.prediction, sim.analytic
+    plan = p.plan
+    chunks = f", {r.v} chunks" if r.v > 1 else ""
+    diff = r.step_time_s / a.step_time_s - 1 if a.step_time_s else 0.0
+    lines = [
+        f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
+        f"plan: TP {plan.tp} ({plan.tp_mode}) x PP {plan.pp} ({r.schedule}{chunks}) x DP {plan.dp}, ZeRO-{plan.zero}, "
+        f"micro-batch {plan.mbs}, {r.m} micro-batches per pipeline, recompute {plan.recompute}",
+        "",
+        f"step time       {_t(r.step_time_s)}  (closed form {_t(a.step_time_s).strip()}, {diff:+.1%})",
+        f"throughput      {p.tokens_per_s:12,.0f} tokens/s   {p.model_tflops_per_device:.1f} TFLOP/s model per device "
+        f"(MFU {p.mfu:.1%})",
+        "",
+        f"exposed time on stage {r.breakdown_stage} (the busiest)   simulated     closed form",
+    ]
+    for key, seconds in r.time_breakdown_s.items():
+        lines.append(f"  {key:<12} {_t(seconds)} {seconds / r.step_time_s:6.1%}   {_t(a.time_breakdown_s[key])}")
+    lines += ["", "stages          busy        idle      busy share"]
+    shown = range(r.p) if r.p <= 16 else sorted({0, 1, r.p // 2, r.breakdown_stage, r.p - 2, r.p - 1})
+    for i in shown:
+        s = r.stages[i]
+        lines.append(f"  stage {i:<4} {_t(s['busy_s'])} {_t(s['idle_s'])}  {s['busy_s'] / r.step_time_s:6.1%}")
+    if r.p > 16:
+        lines.append(f"  ({len(shown)} of {r.p} stages shown; --json lists all)")
+    path = r.critical_path
+    stages_on_path = len({run["stage"] for run in path["runs"]})
+    kinds = ", ".join(f"{k} {v:.3g} s" for k, v in sorted(path["by_kind_s"].items(), key=lambda kv: -kv[1]))
+    lines += ["", f"critical path: {len(path['runs'])} runs over {stages_on_path} stages; {kinds}"]
+    for run in path["runs"][:3] + (["..."] if len(path["runs"]) > 6 else []) + path["runs"][max(3, len(path["runs"]) - 3):]:
+        if run == "...":
+            lines.append("  ...")
+            continue
+        lines.append(f"  stage {run['stage']:<4} {run['start_s']:10.4f} s -> {run['end_s']:10.4f} s  ({run['tasks']} tasks)")
+    for path_, note in (notes or {}).items():
+        lines.append(f"wrote {path_}" + (f" ({note})" if note else ""))
+    lines.append(f"simulated {r.tasks:,} tasks in {r.wall_s:.2f} s")
+    return "\n".join(lines)
