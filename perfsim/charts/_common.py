@@ -1,0 +1,82 @@
+"""What every chart shares: names and colours of the breakdown and memory terms, plan labels,
+the page style."""
+
+from __future__ import annotations
+
+from perfsim.schedule.analytic import BREAKDOWN_KEYS
+
+GIB = 2.0 ** 30
+
+# Exposed step time by cause (prediction.time_breakdown_s), in the order they are stacked.
+TERM_LABELS = {
+    "compute": "compute (forward and backward)",
+    "recompute": "recomputation",
+    "tp_comm": "tensor-parallel communication",
+    "pp_comm": "pipeline sends",
+    "pp_bubble": "pipeline bubble (idle)",
+    "dp_comm": "data-parallel communication (not hidden)",
+    "optimizer": "optimizer step",
+    "other": "framework overhead",
+}
+TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "pp_comm": "#54a24b",
+                "pp_bubble": "#bab0ac", "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d"}
+assert tuple(TERM_LABELS) == BREAKDOWN_KEYS
+
+# Peak device memory by kind (prediction.memory_bytes, without "total").
+MEMORY_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer": "optimizer states",
+    "activations": "activations",
+    "buffers": "communication buffers and workspace",
+}
+MEMORY_COLOURS = {"weights": "#4c78a8", "gradients": "#72b7b2", "optimizer": "#b279a2", "activations": "#f58518",
+                  "buffers": "#bab0ac"}
+
+FONT = "Helvetica, Arial, sans-serif"
+
+
+def plan_label(plan, short: bool = True) -> str:
+    """A plan in words: short for axis labels, long for hover text."""
+    mode = plan.tp_mode + ("+SP" if plan.sp else "")
+    if plan.tp_mode == "2.5d":
+        mode += f" depth {plan.tp_depth}"
+    if plan.tp_regather:
+        mode += " regather"
+    schedule = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else "")
+    if short:
+        return (f"TP{plan.tp} {mode} | PP{plan.pp} {schedule} | DP{plan.dp} | ZeRO-{plan.zero} | "
+                f"mbs {plan.mbs} | rc {plan.recompute}")
+    return (f"tensor parallel {plan.tp} ({mode}), pipeline {plan.pp} ({schedule}), data parallel {plan.dp}, "
+            f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs}, recompute {plan.recompute}, "
+            f"rank order {plan.order}")
+
+
+def case_line(model, system, devices: int, gbs: int | None = None) -> str:
+    nodes = devices / system.node.devices_per_node
+    where = f"{devices:,} x {system.device.name}"
+    if nodes == int(nodes):
+        where += f" ({int(nodes)} node{'s' if nodes != 1 else ''} of {system.name})"
+    else:
+        where += f" ({system.name})"
+    return f"{model.name} on {where}" + (f", global batch {gbs:,} sequences" if gbs else "")
+
+
+def wrap(text: str, width: int = 130) -> str:
+    """Plotly does not wrap text: break it into lines of at most `width` characters."""
+    import textwrap
+
+    return "<br>".join(textwrap.wrap(text, width))
+
+
+def title(text: str, subtitle: str = "", width: int = 130) -> dict:
+    """A layout title with optional smaller lines under it."""
+    lines = "".join(f"<br><span style='font-size:12px'>{line}</span>" for line in wrap(subtitle, width).split("<br>")
+                    if line)
+    return {"text": text + lines, "x": 0.01, "xanchor": "left", "y": 0.98, "yanchor": "top"}
+
+
+def style(fig, height: int = 520):
+    fig.update_layout(template="plotly_white", font={"family": FONT, "size": 13}, height=height,
+                      margin={"l": 70, "r": 30, "t": 100, "b": 70}, hoverlabel={"align": "left"})
+    return fig

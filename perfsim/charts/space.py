@@ -1,0 +1,213 @@
+"""One pass over a search space for the charts, and the plans the what-if chart keeps.
+
+`sweep` walks the same space as `perfsim.search.search` (its `candidates` and
+`rejection_reasons`, evaluated with `perfsim.predict.evaluate` in the same vectorised batches) and
+hands every batch to consumers, so that one pass feeds several charts: `PlanPool` keeps the plans
+that can be best when the hardware changes, `heatmap.Grid` reduces the batches to cells.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from perfsim.cost.columns import Columns
+from perfsim.errors import PerfsimError
+from perfsim.predict import evaluate
+from perfsim.search import BATCH, TEXT_KNOBS, _allowed, _pareto, _plan_at, candidates, rejection_reasons
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.system import System
+
+
+@dataclass
+class Rejected:
+    """The candidates of one tensor-parallel mode and the first reason each invalid one fails."""
+    mode: str
+    cols: dict            # every candidate of the mode (numpy columns), for every rank order
+    reasons: list         # (reason, mask): plans that fail this reason and none before it
+    orders: list          # rank orders each candidate row stands for
+
+
+@dataclass
+class Batch:
+    """Valid plans of one mode and rank order with their evaluation."""
+    mode: str
+    order: str
+    cols: dict
+    result: dict
+
+
+def to_columns(mode: str, order: str, cols: dict) -> Columns:
+    return Columns(tp=cols["tp"], pp=cols["pp"], dp=cols["dp"], vpp=cols["vpp"], mbs=cols["mbs"], gbs=cols["gbs"],
+                   sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
+                   tp_depth=cols["tp_depth"], regather=cols["regather"], tp_mode=mode, order=order)
+
+
+def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None,
+          dtype: str = "bf16", consumers=()) -> dict:
+    """Evaluate every valid plan once, handing each Rejected and Batch to every consumer's `add`.
+    Returns counts: candidates, evaluated, feasible."""
+    fixes = fixes or {}
+    orders = _allowed(fixes, "order", TEXT_KNOBS["order"])
+    counts = {"candidates": 0, "evaluated": 0, "feasible": 0}
+    for mode, cols in candidates(model, devices, gbs, fixes):
+        n = len(cols["tp"])
+        counts["candidates"] += n * len(orders)
+        invalid = np.zeros(n, dtype=bool)
+        first = []
+        for reason, mask in rejection_reasons(model, mode, cols):
+            new = np.asarray(mask & ~invalid, dtype=bool)
+            if new.any():
+                first.append((reason, new))
+            invalid |= mask
+        event = Rejected(mode, cols, first, orders)
+        for c in consumers:
+            c.add(event)
+        valid = np.flatnonzero(~invalid)
+        for order, chunk in itertools.product(orders, range(0, len(valid), BATCH)):
+            index = valid[chunk: chunk + BATCH]
+            sub = {k: v[index] for k, v in cols.items()}
+            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
+            counts["evaluated"] += len(index)
+            counts["feasible"] += int(np.count_nonzero(r["fits"]))
+            batch = Batch(mode, order, sub, r)
+            for c in consumers:
+                c.add(batch)
+    return counts
+
+
+def _top(score: np.ndarray, among: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k highest scores among the indices `among`."""
+    if len(among) <= k:
+        return among
+    part = np.argpartition(-score[among], k - 1)[:k]
+    return among[part]
+
+
+class PlanPool:
+    """The plans that can be best when the hardware changes: the `keep` fastest that fit, the
+    `keep` fastest of all valid plans (they may fit when memory grows) and the Pareto front of
+    throughput against memory over all valid plans (the best plan for any smaller memory)."""
+
+    def __init__(self, keep: int = 1000):
+        self.keep = keep
+        self._parts = []  # (mode, order, cols subset, speed, memory, fits)
+
+    def _select(self, speed, memory, fits) -> np.ndarray:
+        everything = np.arange(len(speed))
+        chosen = {*_top(speed, np.flatnonzero(fits), self.keep).tolist(), *_top(speed, everything, self.keep).tolist(),
+                  *_pareto(speed, memory).tolist()}
+        return np.array(sorted(chosen), dtype=int)
+
+    def add(self, event) -> None:
+        if not isinstance(event, Batch):
+            return
+        r = event.result
+        speed = np.asarray(r["tokens_per_s"], float)
+        memory = np.asarray(r["memory_bytes"]["total"], float)
+        fits = np.asarray(r["fits"], bool)
+        pick = self._select(speed, memory, fits)
+        self._parts.append((event.mode, event.order, {k: v[pick] for k, v in event.cols.items()},
+                            speed[pick], memory[pick], fits[pick]))
+
+    def groups(self) -> list:
+        """The kept plans as [(mode, order, cols)], one entry per mode and rank order."""
+        if not self._parts:
+            return []
+        speed = np.concatenate([p[3] for p in self._parts])
+        memory = np.concatenate([p[4] for p in self._parts])
+        fits = np.concatenate([p[5] for p in self._parts])
+        keep = set(self._select(speed, memory, fits).tolist())
+        grouped: dict = {}
+        offset = 0
+        for mode, order, cols, s, _, _ in self._parts:
+            rows = [i - offset for i in range(offset, offset + len(s)) if i in keep]
+            offset += len(s)
+            if rows:
+                grouped.setdefault((mode, order), []).append({k: v[rows] for k, v in cols.items()})
+        return [(mode, order, {k: np.concatenate([c[k] for c in parts]) for k in parts[0]})
+                for (mode, order), parts in grouped.items()]
+
+
+@dataclass
+class Best:
+    """The fastest plan of a pool that fits, on one system."""
+    plan: object
+    tokens_per_s: float
+    step_time_s: float
+    mfu: float
+    memory_bytes: float
+    breakdown_s: dict
+
+
+def evaluate_pool(model: ModelSpec, system: System, groups: list, dtype: str = "bf16") -> list:
+    """Every pool plan evaluated on `system`: one result dict per group (vectorised)."""
+    return [evaluate(model, system, to_columns(mode, order, cols), dtype) for mode, order, cols in groups]
+
+
+def pick(groups: list, results: list, g: int, i: int) -> Best:
+    """Plan i of group g with its numbers from `results`."""
+    mode, order, cols = groups[g]
+    r = results[g]
+    shape = np.shape(cols["tp"])
+    value = lambda x: float(np.broadcast_to(np.asarray(x, float), shape)[i])  # noqa: E731
+    return Best(plan=_plan_at(mode, order, cols, i), tokens_per_s=value(r["tokens_per_s"]),
+                step_time_s=value(r["step_time_s"]), mfu=value(r["mfu"]), memory_bytes=value(r["memory_bytes"]["total"]),
+                breakdown_s={k: value(v) for k, v in r["time_breakdown_s"].items()})
+
+
+def _fits(r: dict, capacity: float | None) -> np.ndarray:
+    speed = np.asarray(r["tokens_per_s"], float).reshape(-1)
+    if capacity is None:
+        return np.broadcast_to(np.asarray(r["fits"], bool), speed.shape)
+    return np.broadcast_to(np.asarray(r["memory_bytes"]["total"], float) <= capacity, speed.shape)
+
+
+def best_index(results: list, capacity: float | None = None) -> tuple | None:
+    """(group, index) of the fastest plan that fits (in `capacity` bytes when given, else in the
+    evaluated system's device memory), or None when none fits."""
+    best = None
+    for g, r in enumerate(results):
+        speed = np.asarray(r["tokens_per_s"], float).reshape(-1)
+        fits = _fits(r, capacity)
+        if fits.any():
+            i = int(np.flatnonzero(fits)[np.argmax(speed[fits])])
+            if best is None or speed[i] > best[0]:
+                best = (float(speed[i]), g, i)
+    return None if best is None else best[1:]
+
+
+def fastest_fitting(groups: list, results: list, keep: int) -> list:
+    """The groups cut down to the `keep` fastest plans that fit (as evaluated in `results`)."""
+    speed = np.concatenate([np.asarray(r["tokens_per_s"], float).reshape(-1) for r in results])
+    fits = np.concatenate([_fits(r, None) for r in results])
+    chosen = np.zeros(len(speed), bool)
+    chosen[_top(speed, np.flatnonzero(fits), keep)] = True
+    out, offset = [], 0
+    for mode, order, cols in groups:
+        n = len(cols["tp"])
+        rows = np.flatnonzero(chosen[offset: offset + n])
+        offset += n
+        if len(rows):
+            out.append((mode, order, {k: v[rows] for k, v in cols.items()}))
+    return out
+
+
+def best_of(model: ModelSpec, system: System, groups: list, dtype: str = "bf16") -> Best | None:
+    """The pool's fastest plan that fits in `system`'s device memory, or None when none fits."""
+    results = evaluate_pool(model, system, groups, dtype)
+    where = best_index(results)
+    return None if where is None else pick(groups, results, *where)
+
+
+def plan_pool(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None,
+              dtype: str = "bf16", keep: int = 1000) -> tuple:
+    """(groups, counts): the what-if pool of a case, and the sweep's counts."""
+    pool = PlanPool(keep)
+    counts = sweep(model, system, devices, gbs, fixes, dtype, [pool])
+    if counts["evaluated"] == 0:
+        raise PerfsimError(f"no valid plan for {devices} devices and global batch {gbs}; change the device count, "
+                           "--gbs or --fix")
+    return pool.groups(), counts

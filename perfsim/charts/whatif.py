@@ -1,0 +1,186 @@
+"""What if the hardware were different: the best plan's throughput and time breakdown as one
+hardware multiplier moves (device FLOP/s, HBM bandwidth, intra-node and inter-node bandwidth,
+link latency, memory capacity).
+
+Precomputed, so the page needs no server: the search runs once on the profile as it is, and keeps
+the plans that can be best elsewhere (space.PlanPool: the fastest that fit, the fastest of all,
+the throughput-memory Pareto front). Each slider value scales the profile (dataclasses.replace),
+re-evaluates the kept plans in one vectorised call per tensor-parallel mode and rank order, and
+takes the fastest that fits. A plan outside the pool cannot win, so far from 1x the best shown is
+a lower bound on the true best; the page says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from perfsim.charts._common import GIB, TERM_COLOURS, TERM_LABELS, case_line, plan_label, style, title
+from perfsim.charts.space import best_index, evaluate_pool, fastest_fitting, pick, plan_pool
+from perfsim.errors import PerfsimError
+from perfsim.spec.system import System
+
+MULTIPLIERS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+# knob -> (what the slider says, what it scales)
+KNOBS = {
+    "flops": "device FLOP/s (all precisions)",
+    "hbm": "device memory (HBM) bandwidth",
+    "intra": "intra-node bandwidth (card and node links)",
+    "inter": "inter-node bandwidth (network)",
+    "latency": "link latency (card, node and network)",
+    "memory": "device memory capacity",
+}
+KNOB_COLOURS = {"flops": "#4c78a8", "hbm": "#72b7b2", "intra": "#f58518", "inter": "#e45756", "latency": "#9d755d",
+                "memory": "#b279a2"}
+
+
+def scaled_system(system: System, flops: float = 1.0, hbm: float = 1.0, intra: float = 1.0, inter: float = 1.0,
+                  latency: float = 1.0, memory: float = 1.0) -> System:
+    """`system` with its hardware scaled: each argument multiplies the numbers its knob names."""
+    for name, value in (("flops", flops), ("hbm", hbm), ("intra", intra), ("inter", inter), ("latency", latency),
+                        ("memory", memory)):
+        if not value > 0:
+            raise PerfsimError(f"{name} multiplier must be positive, got {value!r}")
+    d, n, w = system.device, system.node, system.network
+    device = dataclasses.replace(d, peak_flops_bf16=d.peak_flops_bf16 * flops, peak_flops_fp16=d.peak_flops_fp16 * flops,
+                                 peak_flops_fp32=d.peak_flops_fp32 * flops, memory_bandwidth_Bps=d.memory_bandwidth_Bps * hbm,
+                                 memory_bytes=d.memory_bytes * memory)
+    node = dataclasses.replace(n, card_link_bandwidth_Bps=n.card_link_bandwidth_Bps * intra,
+                               node_link_bandwidth_Bps=n.node_link_bandwidth_Bps * intra,
+                               card_link_latency_s=n.card_link_latency_s * latency,
+                               node_link_latency_s=n.node_link_latency_s * latency)
+    network = dataclasses.replace(w, nic_bandwidth_Bps=w.nic_bandwidth_Bps * inter, latency_s=w.latency_s * latency)
+    return dataclasses.replace(system, device=device, node=node, network=network)
+
+
+@dataclasses.dataclass
+class WhatIf:
+    """The precomputed scenarios: best[knob][j] is the best plan (space.Best, or None when no kept
+    plan fits) with that knob at MULTIPLIERS[j] and every other at 1x; baseline[knob][j] is the
+    1x best plan on that hardware."""
+    multipliers: tuple
+    best: dict
+    baseline: dict
+    pool_size: int
+    counts: dict
+    keep: int
+
+
+def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
+               keep: int = 1000, multipliers=MULTIPLIERS, knobs=tuple(KNOBS)) -> WhatIf:
+    if 1.0 not in multipliers:
+        raise PerfsimError("the multipliers must include 1 (the profile as it is)")
+    groups, counts = plan_pool(model, system, devices, gbs, fixes, dtype, keep)
+    results = evaluate_pool(model, system, groups, dtype)
+    home = best_index(results)
+    if home is None:
+        raise PerfsimError(f"no plan fits in device memory for {devices} devices and global batch {gbs}; "
+                           "use more devices or a smaller --gbs")
+    one = pick(groups, results, *home)
+    capacity = system.device.memory_bytes
+    # Only device memory decides what fits, and it changes no time: for every other knob the
+    # plans that do not fit at 1x cannot win (the `keep` fastest that fit are evaluated again), and
+    # for memory nothing needs evaluating again (the whole pool, Pareto front included, is ranked).
+    fit_groups = fastest_fitting(groups, results, keep)
+    fit_home = best_index(evaluate_pool(model, system, fit_groups, dtype))
+    best = {k: [] for k in knobs}
+    baseline = {k: [] for k in knobs}
+    for knob in knobs:
+        for m in multipliers:
+            if m == 1.0:
+                best[knob].append(one)
+                baseline[knob].append(one)
+            elif knob == "memory":
+                where = best_index(results, capacity * m)
+                best[knob].append(None if where is None else pick(groups, results, *where))
+                baseline[knob].append(one if one.memory_bytes <= capacity * m else None)
+            else:
+                r = evaluate_pool(model, scaled_system(system, **{knob: m}), fit_groups, dtype)
+                where = best_index(r)
+                best[knob].append(None if where is None else pick(fit_groups, r, *where))
+                baseline[knob].append(pick(fit_groups, r, *fit_home))
+    pool_size = sum(len(cols["tp"]) for _, _, cols in groups)
+    return WhatIf(tuple(multipliers), best, baseline, pool_size, counts, keep)
+
+
+def _text(knob: str, m: float, b, one, capacity: float) -> str:
+    setting = "the profile as it is (every multiplier 1x)" if m == 1.0 else f"{KNOBS[knob]} x{m:g}, the rest 1x"
+    if b is None:
+        return f"<b>{setting}</b><br>no kept plan fits in device memory"
+    change = b.tokens_per_s / one.tokens_per_s - 1
+    return (f"<b>{setting}</b><br>best plan: {plan_label(b.plan)}<br>"
+            f"<b>{b.tokens_per_s:,.0f} tokens/s</b> ({change:+.1%} against 1x), step {b.step_time_s:.2f} s, "
+            f"MFU {b.mfu:.1%}, memory {b.memory_bytes / GIB:.1f} of {capacity / GIB:.1f} GiB")
+
+
+def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
+           keep: int = 1000, multipliers=MULTIPLIERS, data: WhatIf | None = None) -> go.Figure:
+    """The what-if page: sensitivity lines, the best plan's breakdown, one slider per knob."""
+    w = data or precompute(model, system, devices, gbs, fixes, dtype, keep, multipliers)
+    knobs = list(w.best)
+    mults = list(w.multipliers)
+    home = mults.index(1.0)
+    one = w.best[knobs[0]][home]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.1,
+                        subplot_titles=("best throughput with one multiplier moved",
+                                        "where the step time goes (exposed seconds)"))
+    for knob in knobs:
+        ys = [b.tokens_per_s if b else None for b in w.best[knob]]
+        hover = [f"{KNOBS[knob]} x{m:g}<br>" + (f"{b.tokens_per_s:,.0f} tokens/s<br>{plan_label(b.plan)}" if b
+                                                else "no kept plan fits") for m, b in zip(mults, w.best[knob])]
+        fig.add_trace(go.Scatter(x=mults, y=ys, mode="lines+markers", name=KNOBS[knob], legendgroup="knobs",
+                                 legendgrouptitle_text="multiplier moved", line={"color": KNOB_COLOURS[knob]},
+                                 hovertext=hover, hoverinfo="text"), row=1, col=1)
+    marker = len(fig.data)
+    fig.add_trace(go.Scatter(x=[1.0], y=[one.tokens_per_s], mode="markers", name="current setting",
+                             marker={"size": 16, "color": "rgba(0,0,0,0)", "line": {"width": 3, "color": "black"}},
+                             hoverinfo="skip"), row=1, col=1)
+    rows = ["best plan at this setting", "1x best plan on this hardware"]
+    first_term = len(fig.data)
+    for term, label in TERM_LABELS.items():
+        fig.add_trace(go.Bar(y=rows, x=[one.breakdown_s[term], one.breakdown_s[term]], orientation="h", name=label,
+                             legendgroup="terms", legendgrouptitle_text="step time by cause",
+                             marker_color=TERM_COLOURS[term], hovertemplate="%{x:.3f} s<extra>" + label + "</extra>"),
+                      row=1, col=2)
+    term_traces = list(range(first_term, len(fig.data)))
+    capacity = system.device.memory_bytes
+    note = len(fig.layout.annotations)
+    fig.add_annotation(text=_text(knobs[0], 1.0, one, one, capacity), xref="paper", yref="paper", x=0.0, y=1.06,
+                       xanchor="left", yanchor="bottom", showarrow=False, align="left",
+                       bgcolor="#f4f4f4", bordercolor="#cccccc", borderpad=6)
+
+    sliders = []
+    for s, knob in enumerate(knobs):
+        steps = []
+        for j, m in enumerate(mults):
+            b, base = w.best[knob][j], w.baseline[knob][j]
+            xs = [[b.breakdown_s[t] if b else 0.0, base.breakdown_s[t] if base else 0.0] for t in TERM_LABELS]
+            layout = {f"annotations[{note}].text": _text(knob, m, b, one, capacity * (m if knob == "memory" else 1.0))}
+            layout.update({f"sliders[{o}].active": home for o in range(len(knobs)) if o != s})
+            steps.append({"label": f"{m:g}x", "method": "update",
+                          "args": [{"x": [[m]] + xs, "y": [[b.tokens_per_s if b else None]] + [rows] * len(xs)},
+                                   layout, [marker] + term_traces]})
+        sliders.append({"active": home, "steps": steps, "x": 0.0, "len": 0.46, "xanchor": "left",
+                        "y": -0.18 - 0.2 * (s // 2), "yanchor": "top", "pad": {"t": 30, "b": 0},
+                        "currentvalue": {"prefix": KNOBS[knob] + ": ", "font": {"size": 13}}})
+        sliders[-1]["x"] = 0.0 if s % 2 == 0 else 0.54
+    fig.update_layout(sliders=sliders, barmode="stack")
+    fig.update_xaxes(type="log", title_text="multiplier on the profile's value (1 = as profiled; latency: lower is faster)",
+                     tickvals=mults, ticktext=[f"{m:g}x" for m in mults], row=1, col=1)
+    fig.update_yaxes(title_text="best throughput (tokens/s)", rangemode="tozero", row=1, col=1)
+    fig.update_xaxes(title_text="exposed time per training step (s)", row=1, col=2)
+    fig.update_yaxes(autorange="reversed", row=1, col=2)
+    subtitle = (f"{case_line(model, system, devices, gbs)}. Precomputed: the search ran once at 1x over "
+                f"{w.counts['evaluated']:,} valid plans and kept {w.pool_size:,} (the {w.keep:,} fastest that fit, the "
+                f"{w.keep:,} fastest of all, the throughput-memory Pareto front); each setting re-evaluates them and "
+                "shows the fastest that fits, so far from 1x the true best can be higher. One multiplier moves at a time, "
+                "the others stay at 1x.")
+    fig.update_layout(title=title("What if the hardware were different?", subtitle), legend={"x": 1.02, "y": 1},
+                      margin={"t": 250, "b": 300, "r": 330})
+    style(fig, height=950)
+    fig.update_layout(margin={"t": 250, "b": 300, "r": 330})
+    return fig
