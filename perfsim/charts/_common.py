@@ -46,7 +46,7 @@ def plan_label(plan, short: bool = True) -> str:
     schedule = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else "")
     if short:
         return (f"TP{plan.tp} {mode} | PP{plan.pp} {schedule} | DP{plan.dp} | ZeRO-{plan.zero} | "
-                f"mbs {plan.mbs} | rc {plan.recompute}")
+                f"mbs {plan.mbs} | recompute {plan.recompute}")
     return (f"tensor parallel {plan.tp} ({mode}), pipeline {plan.pp} ({schedule}), data parallel {plan.dp}, "
             f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs}, recompute {plan.recompute}, "
             f"rank order {plan.order}")
