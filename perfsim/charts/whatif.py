@@ -23,7 +23,7 @@ from perfsim.charts.space import best_index, evaluate_pool, fastest_fitting, pic
 from perfsim.errors import PerfsimError
 from perfsim.spec.system import System
 
-MULTIPLIERS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+MULTIPLIERS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 # knob -> (what the slider says, what it scales)
 KNOBS = {
@@ -71,10 +71,14 @@ class WhatIf:
 
 
 def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
-               keep: int = 1000, multipliers=MULTIPLIERS, knobs=tuple(KNOBS)) -> WhatIf:
+               keep: int = 1000, multipliers=MULTIPLIERS, knobs=tuple(KNOBS), pooled: tuple | None = None) -> WhatIf:
+    """The scenarios. `pooled`: (groups, counts) of a PlanPool filled by a sweep already run (the
+    report shares one sweep between charts); by default the sweep runs here."""
     if 1.0 not in multipliers:
         raise PerfsimError("the multipliers must include 1 (the profile as it is)")
-    groups, counts = plan_pool(model, system, devices, gbs, fixes, dtype, keep)
+    if keep < 1:
+        raise PerfsimError(f"keep must be at least 1, got {keep}")
+    groups, counts = pooled or plan_pool(model, system, devices, gbs, fixes, dtype, keep)
     results = evaluate_pool(model, system, groups, dtype)
     home = best_index(results)
     if home is None:
@@ -174,13 +178,15 @@ def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dty
     fig.update_yaxes(title_text="best throughput (tokens/s)", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="exposed time per training step (s)", row=1, col=2)
     fig.update_yaxes(autorange="reversed", row=1, col=2)
-    subtitle = (f"{case_line(model, system, devices, gbs)}. Precomputed: the search ran once at 1x over "
-                f"{w.counts['evaluated']:,} valid plans and kept {w.pool_size:,} (the {w.keep:,} fastest that fit, the "
-                f"{w.keep:,} fastest of all, the throughput-memory Pareto front); each setting re-evaluates them and "
-                "shows the fastest that fits, so far from 1x the true best can be higher. One multiplier moves at a time, "
-                "the others stay at 1x.")
-    fig.update_layout(title=title("What if the hardware were different?", subtitle), legend={"x": 1.02, "y": 1},
-                      margin={"t": 250, "b": 300, "r": 330})
+    subtitle = (f"{case_line(model, system, devices, gbs)}. Precomputed, no server needed: the search ran once "
+                f"at 1x over {w.counts['evaluated']:,} valid plans and kept {w.pool_size:,}: the {w.keep:,} fastest that "
+                f"fit, the {w.keep:,} fastest of all and the throughput-memory Pareto front. The memory slider ranks "
+                f"all of them against the new capacity; the other sliders re-evaluate the {w.keep:,} fastest that fit "
+                "on the scaled hardware (memory alone decides what fits) and show the fastest. A plan outside these "
+                "cannot win, so far from 1x the true best may be a little faster. One multiplier moves at a time; "
+                "moving one puts the others back to 1x.")
+    fig.update_layout(title=title("What if the hardware were different?", subtitle, 150), legend={"x": 1.02, "y": 1,
+                      "traceorder": "grouped"})
     style(fig, height=950)
-    fig.update_layout(margin={"t": 250, "b": 300, "r": 330})
+    fig.update_layout(margin={"t": 260, "b": 300, "r": 330})
     return fig

@@ -1,0 +1,136 @@
+"""Predicted against measured: the records of a measurement ledger (validate/, JSON Lines; read
+with perfsim.calibrate.read_ledger) beside what perfsim predicts for each, with +-10% bands.
+
+A record's measured time is its stats.median_s. Its predicted time is the record's own
+`predicted_s` when it has one (a whole training step checked by a validation run); otherwise
+perfsim predicts it with a system profile through the very cost functions a prediction uses:
+GEMMs with perfsim.cost.layer.gemm_time, element-wise and streaming ops with memory_time,
+collectives with perfsim.calibrate.collective_times (the topology model). Other records
+(attention, failed points) are counted and left out, and the page says how many.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from perfsim.charts._common import style, title
+from perfsim.errors import PerfsimError
+
+BAND = 0.10
+SUITE_COLOURS = {"gemm": "#4c78a8", "memory": "#72b7b2", "collective": "#e45756", "attention": "#b279a2",
+                 "step": "#f58518"}
+SUITE_SYMBOLS = {"gemm": "circle", "memory": "square", "collective": "diamond", "attention": "triangle-up",
+                 "step": "star"}
+
+
+def _predicted(system, records: list) -> tuple:
+    """(predicted seconds per record, NaN where perfsim has no prediction, and notes)."""
+    from perfsim.cost.layer import Gemm, MemoryOp, gemm_time, memory_time
+    from perfsim.predict import peak_flops
+
+    out = np.full(len(records), np.nan)
+    collectives = []
+    for i, r in enumerate(records):
+        own = r.get("predicted_s")
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            out[i] = float(own)
+        elif system is None:
+            continue
+        elif r["suite"] == "gemm":
+            s = r["shape"]
+            try:
+                peak = peak_flops(system, r["dtype"])
+            except PerfsimError:
+                continue
+            out[i] = float(gemm_time(system.device, peak, Gemm(r["op"], s.get("count", 1), s["m"], s["n"], s["k"])))
+        elif r["suite"] == "memory":
+            out[i] = float(memory_time(system.device, MemoryOp(r["op"], float(r["nbytes"]))))
+        elif r["suite"] == "collective":
+            collectives.append(i)
+    if collectives:
+        from perfsim.calibrate import collective_times
+
+        out[collectives] = collective_times(system, [records[i] for i in collectives])
+    return out
+
+
+def load(path: str, system=None) -> tuple:
+    """(records with a measured and a predicted time, their predicted times, a note on the rest)."""
+    from perfsim.calibrate import read_ledger
+
+    records, problems = read_ledger(path)
+    measured_ok = [r for r in records if "error" not in r]
+    failed = len(records) - len(measured_ok)
+    predicted = _predicted(system, measured_ok)
+    keep = [i for i in range(len(measured_ok)) if np.isfinite(predicted[i])]
+    left = len(measured_ok) - len(keep)
+    notes = []
+    if failed:
+        notes.append(f"{failed} failed points")
+    if left:
+        suites = sorted({measured_ok[i]["suite"] for i in range(len(measured_ok)) if not np.isfinite(predicted[i])})
+        notes.append(f"{left} records without a prediction ({', '.join(suites)}"
+                     + ("; give --system to predict them" if system is None else "") + ")")
+    if problems:
+        notes.append(f"{len(problems)} damaged lines skipped")
+    if not keep:
+        raise PerfsimError(f"ledger {path}: no record with both a measured and a predicted time"
+                           + (f" ({'; '.join(notes)})" if notes else "")
+                           + ("; give --system PROFILE to predict the measured operations" if system is None else ""))
+    return [measured_ok[i] for i in keep], predicted[keep], "; ".join(notes)
+
+
+def _describe(r: dict) -> str:
+    shape = ", ".join(f"{k} {v}" for k, v in r.get("shape", {}).items())
+    group = f", group of {r['group'][0]} ranks {r['group'][1]} apart" if r.get("group") else ""
+    return f"{r['suite']} {r['op']} {r['dtype']}: {shape}{group}"
+
+
+def figure(path: str, system=None, records=None, predicted=None, note: str = "") -> go.Figure:
+    """The parity plot and the relative error of ledger `path` (predictions from `system`)."""
+    if records is None:
+        records, predicted, note = load(path, system)
+    measured = np.array([r["stats"]["median_s"] for r in records], float)
+    predicted = np.asarray(predicted, float)
+    error = predicted / measured - 1
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
+                        subplot_titles=("predicted against measured (log-log)", "prediction error against measured time"))
+    low, high = float(min(measured.min(), predicted.min())) / 1.5, float(max(measured.max(), predicted.max())) * 1.5
+    line = np.geomspace(low, high, 50)
+    fig.add_trace(go.Scatter(x=line, y=line * (1 - BAND), mode="lines", line={"width": 0}, showlegend=False,
+                             hoverinfo="skip"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=line, y=line * (1 + BAND), mode="lines", line={"width": 0}, fill="tonexty",
+                             fillcolor="rgba(84,162,75,0.18)", name="within +-10%", hoverinfo="skip"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=line, y=line, mode="lines", line={"color": "#333", "dash": "dash"},
+                             name="prediction = measurement", hoverinfo="skip"), row=1, col=1)
+    fig.add_hrect(y0=-100 * BAND, y1=100 * BAND, fillcolor="rgba(84,162,75,0.18)", line_width=0, row=1, col=2)
+    fig.add_hline(y=0, line={"color": "#333", "dash": "dash"}, row=1, col=2)
+    summary = []
+    for suite in sorted({r["suite"] for r in records}):
+        idx = [i for i, r in enumerate(records) if r["suite"] == suite]
+        hover = [f"<b>{_describe(records[i])}</b><br>measured {measured[i] * 1e3:.4g} ms, predicted "
+                 f"{predicted[i] * 1e3:.4g} ms ({error[i]:+.1%})" for i in idx]
+        style_ = {"color": SUITE_COLOURS.get(suite, "#555"), "symbol": SUITE_SYMBOLS.get(suite, "circle"), "size": 7,
+                  "opacity": 0.8}
+        fig.add_trace(go.Scatter(x=measured[idx], y=predicted[idx], mode="markers", name=suite, legendgroup=suite,
+                                 marker=style_, hovertext=hover, hoverinfo="text"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=measured[idx], y=100 * error[idx], mode="markers", name=suite, legendgroup=suite,
+                                 showlegend=False, marker=style_, hovertext=hover, hoverinfo="text"), row=1, col=2)
+        within = float(np.mean(np.abs(error[idx]) <= BAND))
+        summary.append(f"{suite}: {len(idx)} points, {within:.0%} within +-10%, mean absolute error "
+                       f"{float(np.mean(np.abs(error[idx]))):.1%}")
+    fig.update_xaxes(type="log", dtick=1, title_text="measured time (s)", row=1, col=1)
+    fig.update_yaxes(type="log", dtick=1, title_text="predicted time (s)", row=1, col=1)
+    fig.update_xaxes(type="log", dtick=1, title_text="measured time (s)", row=1, col=2)
+    span = max(25.0, min(200.0, float(np.max(np.abs(100 * error))) * 1.1))
+    fig.update_yaxes(title_text="(predicted - measured) / measured (%)", range=[-span, span], row=1, col=2)
+    source = f"ledger {path}" + (f", predictions from profile {system.name}" if system is not None else "")
+    subtitle = f"{source}. " + "; ".join(summary) + "." + (f" Left out: {note}." if note else "") + \
+        " Green band: within +-10% of the measurement."
+    fig.update_layout(title=title("How close are perfsim's predictions to measurements?", subtitle, 150),
+                      legend={"x": 1.02, "y": 1})
+    style(fig, height=600)
+    fig.update_layout(margin={"t": 150})
+    return fig

@@ -1,0 +1,157 @@
+"""`perfsim chart KIND ... --out FILE.html`: one interactive chart as a self-contained HTML page
+(perfsim/charts/). The flags name the case as `perfsim predict` does; each kind uses those it needs."""
+
+from __future__ import annotations
+
+from perfsim.errors import PerfsimError
+
+KINDS = ("whatif", "heatmap", "scaling", "memory", "breakdown", "timeline", "validation")
+HEATMAP_KNOBS = ("tp", "pp", "dp", "mbs", "vpp", "zero", "recompute", "schedule", "tp_mode", "sp", "tp_depth", "order")
+
+
+def add_chart_flags(p) -> None:
+    """The case (as predict takes it) and every chart's own options; shared with `perfsim report`."""
+    from perfsim.cli import _add_case_flags, _add_plan_flags, _positive
+
+    _add_case_flags(p)
+    _add_plan_flags(p)
+    p.add_argument("--out", required=True, metavar="FILE.html", help="the HTML page to write (self-contained)")
+    g = p.add_argument_group("chart options")
+    g.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                   help="restrict the searched plans (whatif, heatmap, memory, breakdown), as `perfsim search --fix`")
+    g.add_argument("--top", type=int, default=5,
+                   help="memory, breakdown: also show the search's N best plans (default 5; 0: only your plan)")
+    g.add_argument("--pareto", action="store_true",
+                   help="memory, breakdown: show the search's throughput-memory Pareto front instead of the best")
+    g.add_argument("--keep", type=_positive, default=1000,
+                   help="whatif: plans kept from the search and re-evaluated per setting (default 1000)")
+    g.add_argument("--x", default="tp", choices=HEATMAP_KNOBS, help="heatmap: knob across (default tp)")
+    g.add_argument("--y", default="pp", choices=HEATMAP_KNOBS, help="heatmap: knob up (default pp)")
+    g.add_argument("--node-counts", dest="node_counts", metavar="N1,N2,...",
+                   help="scaling: node counts, the first is the base (default: the case's nodes x 1, 2, 4, 8; "
+                        "for the built-in case the SMNG-P2 protocol, 16,32,64,128)")
+    g.add_argument("--mode", default="both", choices=("weak", "strong", "both"), help="scaling: which (default both)")
+    g.add_argument("--strong-gbs", dest="strong_gbs", type=_positive,
+                   help="scaling: global batch of strong scaling (default: the plan's; built-in case: 2520)")
+    g.add_argument("--sim-schedule", dest="sim_schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                   help="timeline: simulate this schedule instead of the plan's (zb-h1: zero-bubble H1)")
+    g.add_argument("--ledger", metavar="FILE.jsonl",
+                   help="validation: a measurement ledger written by perfsim calibrate / validate/")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chart", help="one interactive chart as a self-contained HTML page",
+                       description="Write one chart as an HTML page with plotly.js embedded (opens offline). Kinds: "
+                                   "whatif (hardware multipliers, sliders), heatmap (best throughput over two knobs), "
+                                   "scaling (weak/strong efficiency), memory and breakdown (per plan), timeline "
+                                   "(simulated step), validation (ledger: predicted against measured).")
+    p.add_argument("kind", choices=KINDS, help="which chart")
+    add_chart_flags(p)
+    p.set_defaults(run=run)
+
+
+class Case:
+    """The parsed flags resolved once: model, system, plan, devices, global batch, fixes."""
+
+    def __init__(self, args):
+        from perfsim.cli import build_case
+        from perfsim.search import parse_fixes
+
+        self.builtin = args.model is None and args.system is None and args.nodes is None and args.devices is None
+        self.model, self.system, self.plan = build_case(args)
+        self.devices, self.gbs = self.plan.devices, self.plan.gbs
+        self.fixes = parse_fixes(args.fix)
+        self.dtype = args.dtype
+        if args.top < 0:
+            raise PerfsimError(f"--top must be 0 or more, got {args.top}")
+
+    def node_counts(self, args) -> list:
+        if args.node_counts:
+            try:
+                nodes = [int(x) for x in args.node_counts.split(",") if x.strip()]
+            except ValueError:
+                raise PerfsimError(f"--node-counts must be comma-separated whole numbers, got {args.node_counts!r}") from None
+            if not nodes or any(n < 1 for n in nodes):
+                raise PerfsimError(f"--node-counts must list positive node counts, got {args.node_counts!r}")
+            return nodes
+        if self.builtin:
+            from perfsim.reproduce import SMNG_SCALING_NODES
+
+            return list(SMNG_SCALING_NODES)
+        per_node = self.system.node.devices_per_node
+        if self.devices % per_node:
+            raise PerfsimError(f"{self.devices} devices is not a whole number of {per_node}-device nodes; "
+                               "give --node-counts for the scaling chart")
+        first = self.devices // per_node
+        return [first * k for k in (1, 2, 4, 8)]
+
+    def strong_gbs(self, args) -> int:
+        if args.strong_gbs:
+            return args.strong_gbs
+        if self.builtin:
+            from perfsim.reproduce import SMNG_STRONG_GBS
+
+            return SMNG_STRONG_GBS
+        return self.gbs
+
+
+def figure_for(kind: str, case: Case, args):
+    """The plotly Figure of one chart kind for the case."""
+    if kind == "whatif":
+        from perfsim.charts import whatif
+
+        return whatif.figure(case.model, case.system, case.devices, case.gbs, case.fixes, case.dtype, keep=args.keep)
+    if kind == "heatmap":
+        from perfsim.charts import heatmap
+
+        return heatmap.figure(case.model, case.system, case.devices, case.gbs, args.x, args.y, case.fixes, case.dtype)
+    if kind == "scaling":
+        from perfsim.charts import scaling
+
+        modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
+        return scaling.figure(case.model, case.system, case.plan, case.node_counts(args), modes,
+                              case.strong_gbs(args), case.dtype)
+    if kind in ("memory", "breakdown"):
+        from perfsim.charts import breakdown, memory
+        from perfsim.charts.plans import plan_set
+
+        plans, note = plan_set(case.model, case.system, case.plan, case.devices, case.gbs, args.top, case.fixes,
+                               case.dtype, args.pareto)
+        return (memory if kind == "memory" else breakdown).figure(case.model, case.system, plans, note)
+    if kind == "timeline":
+        from perfsim.charts import timeline
+
+        return timeline.figure(case.model, case.system, case.plan, case.dtype, args.sim_schedule)
+    if kind == "validation":
+        from perfsim.charts import validation
+
+        if not args.ledger:
+            raise PerfsimError("the validation chart needs --ledger FILE.jsonl (a ledger written by perfsim calibrate)")
+        system = case.system if args.system is not None else None
+        return validation.figure(args.ledger, system)
+    raise PerfsimError(f"unknown chart kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def check_out(path: str) -> None:
+    """Fail before the work when --out cannot be written."""
+    import os
+
+    if not path.lower().endswith((".html", ".htm")):
+        raise PerfsimError(f"--out {path}: give an .html file name")
+    if os.path.isdir(path):
+        raise PerfsimError(f"--out {path} is a directory; give a file name such as {os.path.join(path, 'chart.html')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PerfsimError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
+
+
+def run(args) -> None:
+    from perfsim.charts.page import write_figure
+
+    check_out(args.out)
+    if args.kind == "validation" and not args.ledger:
+        raise PerfsimError("the validation chart needs --ledger FILE.jsonl (a ledger written by perfsim calibrate)")
+    case = Case(args)
+    fig = figure_for(args.kind, case, args)
+    size = write_figure(args.out, fig)
+    print(f"wrote the {args.kind} chart to {args.out} ({size / 1e6:.1f} MB, opens offline in a browser)")
