@@ -29,7 +29,8 @@ def figure(model, system, plans: list, note: str = "") -> go.Figure:
     fig.add_vline(x=capacity / GIB, line={"color": "#c0392b", "dash": "dash", "width": 2},
                   annotation_text=f"device memory {capacity / GIB:.1f} GiB", annotation_position="top")
     fig.update_xaxes(title_text="peak memory per device (GiB)", range=[0, 1.25 * max(max(totals), capacity / GIB)])
-    fig.update_yaxes(autorange="reversed", automargin=True)
+    fig.update_yaxes(autorange="reversed", automargin=True,
+                     title_text="plan: tensor | pipeline | data parallel | ZeRO stage | micro-batch | recomputation")
     subtitle = (f"{case_line(model, system, plans[0][1].devices)}. Each bar: the peak memory of one device under a "
                 "plan (the larger of the first and last pipeline stage), by what holds it; the dashed line is the "
                 "device's capacity." + (f" {note}." if note else ""))
