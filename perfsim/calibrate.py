@@ -297,7 +297,7 @@ def _gemm_fit(records, system, kind, ledger):
 
     x0 = [math.log(dev.gemm_efficiency), math.log(max(dev.gemm_half_dim, 1.0))]
     x = _least_squares(lambda x: np.log(predict(x, g_fit, peak) / t_fit), x0,
-                       ([math.log(1e-4), math.log(1e-3)], [math.log(10.0), math.log(1e6)]))
+                       ([math.log(1e-4), 0.0], [math.log(10.0), math.log(1e6)]))  # half_dim >= 1 element
     eff, half = math.exp(x[0]), math.exp(x[1])
     quality.append(Quality(f"gemm {primary}", mape(predict(x, g_fit, peak), t_fit), len(fit),
                            mape(predict(x, _gemms(held), peak), _median(held)) if held else float("nan"), len(held),
@@ -518,10 +518,15 @@ def _apply(system, values: dict):
     return _replace(system, **sections)
 
 
-def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "min") -> Calibration:
+def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "min",
+        clock: str = "auto") -> Calibration:
     """Fit `base` (a System) to ledger records; see the module docstring. `statistic` is the
     repetitions' statistic fitted: "min" (default: the best of the repetitions, the machine
-    without interference from other load), "median", "p25" or "mean"."""
+    without interference from other load), "median", "p25" or "mean". `clock` "auto" fits the CPU
+    time of compute points where the ledger has it (one-thread CPU ranks: the time the rank really
+    ran, immune to other processes on a shared machine), "wall" the wall clock everywhere."""
+    if clock not in ("auto", "wall"):
+        raise PerfsimError(f"clock must be auto or wall, got {clock!r}")
     if statistic not in STATISTICS:
         raise PerfsimError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     kinds = sorted({r.get("device", {}).get("kind", "") if isinstance(r.get("device"), dict) else "" for r in records})
@@ -530,12 +535,15 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     for r in records:
         if "error" in r:
             continue
-        t = r["stats"].get(STATISTICS[statistic], r["stats"]["median_s"])
+        stats = r["cpu_stats"] if clock == "auto" and isinstance(r.get("cpu_stats"), dict) else r["stats"]
+        t = stats.get(STATISTICS[statistic], r["stats"]["median_s"])
         if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0:
             usable.append({**r, "_t": float(t)})
     if not usable:
         raise PerfsimError(f"ledger {ledger_name} has no usable measurements to fit")
-    values, quality, notes = {}, [], [f"times fitted: the {statistic} of each point's repetitions"]
+    cpu_clocked = sum(1 for r in usable if clock == "auto" and isinstance(r.get("cpu_stats"), dict))
+    values, quality, notes = {}, [], [f"times fitted: the {statistic} of each point's repetitions"
+                                      + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
     if len(kinds) > 1:
         notes.append(f"ledger mixes device kinds {', '.join(k or '?' for k in kinds)}; fitting as {kind}")
     per_node = {r.get("ranks_per_node") for r in usable if r["suite"] == "collective"} - {None}
@@ -637,7 +645,7 @@ def format_report(calibration: Calibration, base) -> str:
 
 
 def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = None, device_kind=None,
-               report=print, warn=None, statistic: str = "min") -> Calibration:
+               report=print, warn=None, statistic: str = "min", clock: str = "auto") -> Calibration:
     """Read a ledger, fit the base profile, print the report, write the calibrated profile to `out`."""
     from perfsim.spec.system import load_system
 
@@ -647,7 +655,7 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
         (warn or report)(f"perfsim: warning: ledger {ledger}: {problem}; skipped")
     if not records:
         raise PerfsimError(f"ledger {ledger} holds no measurements; run `perfsim calibrate --device ...` first")
-    calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic)
+    calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock)
     report(format_report(calibration, base))
     if out:
         folder = os.path.dirname(os.path.abspath(out))

@@ -169,3 +169,18 @@ def test_points_have_stable_unique_keys():
     assert sizes[0] == 1024 and sizes[-1] == 1024 * 1024
     full = mb.default_sweep("cuda")
     assert full.collective_bytes[0] == 1024 and full.collective_bytes[-1] >= 256 * 1024 * 1024
+
+
+def test_cpu_time_of_compute_points_is_fitted_unless_wall_is_asked():
+    """A shared CPU box: the wall clock doubled by another process, the rank's CPU time true."""
+    base, truth = _truth()
+    records = [r for r in synthetic_records(truth) if r["suite"] == "gemm"]
+    for r in records:
+        t = r["stats"]["median_s"]
+        r["stats"] = {"median_s": 2 * t, "min_s": 2 * t}
+        r["cpu_stats"] = {"median_s": t, "min_s": t}
+    auto = cal.fit(records, base, "shared.jsonl").values["device.gemm_efficiency"].value
+    wall = cal.fit(records, base, "shared.jsonl", clock="wall").values["device.gemm_efficiency"].value
+    assert auto == pytest.approx(0.6, rel=0.05) and wall == pytest.approx(0.3, rel=0.05)
+    with pytest.raises(cal.PerfsimError, match="statistic must be"):
+        cal.fit(records, base, "x", statistic="max")

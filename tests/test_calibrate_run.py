@@ -62,6 +62,8 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
     gemm = [x for x in records if x["suite"] == "gemm"]
     assert {x["dtype"] for x in gemm} == {"fp32", "bf16"} and any(x["origin"] == "plan" for x in gemm)
     assert all(x["flops"] == 2 * x["shape"]["count"] * x["shape"]["m"] * x["shape"]["n"] * x["shape"]["k"] for x in gemm)
+    # one-thread CPU ranks also record the CPU time they got (what the fit uses on a shared machine)
+    assert all(0 < x["cpu_stats"]["min_s"] <= 1.5 * x["stats"]["max_s"] for x in records)
     assert run_worker(options, environ={}) == 0  # everything is in the ledger: nothing measured again
 
     from perfsim.calibrate import fit_ledger

@@ -259,14 +259,20 @@ def measure(torch, device, comm, point, options: Options) -> dict:
     try:
         if point.suite == "collective":
             fn = comm.make(point)
-            times, number = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
-                                           agree=comm.agree_max, before=comm.barrier)
+            times, number, _ = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
+                                              agree=comm.agree_max, before=comm.barrier)
             times = comm.max_each(times)
             counts = {"nbytes": comm.nbytes(point)}
         else:
             fn = mb.make_compute(torch, device, point)
-            times, number = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s)
+            # On a one-thread CPU rank the op runs in this thread: its CPU time is the time the rank
+            # really computed, whatever else the machine ran meanwhile.
+            cpu_clock = time.thread_time if device.kind == "cpu" and torch.get_num_threads() == 1 else None
+            times, number, cpu_times = mb.repetitions(device, fn, options.warmup, options.repeats,
+                                                      options.min_time_s, cpu_clock=cpu_clock)
             counts = mb.compute_counts(point)
+            if cpu_times:
+                counts["cpu_stats"] = mb.Stats(cpu_times).as_dict(number)
         error = None
     except (RuntimeError, ValueError, NotImplementedError, MemoryError) as exc:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

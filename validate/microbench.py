@@ -283,8 +283,10 @@ class Stats:
 
 
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
-                max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4):
-    """(per-call seconds of each repetition, calls per repetition). One untimed estimate sets
+                max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None):
+    """(per-call seconds of each repetition, calls per repetition, per-call CPU seconds of each
+    repetition or None). `cpu_clock` (time.thread_time on a one-thread CPU rank) also times the
+    CPU the rank actually got, which leaves out time other processes took the core. One untimed estimate sets
     `number` (calls per repetition, so that one lasts `min_time_s`) and, for cheap ops, more
     repetitions (up to `max_repeats_factor` x `repeats` while they fit in `budget_s`): noise hits
     short ops hardest. `agree(seconds)` makes every rank use the slowest rank's estimate
@@ -304,15 +306,18 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
     number = int(min(max_number, max(1, math.ceil(min_time_s / estimate))))
     extra = int(budget_s / (number * estimate))
     repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
-    times = []
+    times, cpu_times = [], [] if cpu_clock else None
     for _ in range(repeats):
         if before:
             before()
+        c0 = cpu_clock() if cpu_clock else 0.0
         timer.start()
         for _ in range(number):
             fn()
         times.append(timer.stop() / number)
-    return times, number
+        if cpu_clock:
+            cpu_times.append(max(cpu_clock() - c0, 1e-9) / number)
+    return times, number, cpu_times
 
 
 def torch_dtype(torch, name: str):

@@ -106,6 +106,9 @@ def register(subparsers) -> None:
     p.add_argument("--statistic", choices=("min", "median", "p25", "mean"), default="min",
                    help="which statistic of each point's repetitions the fit uses (default min: the machine without "
                         "interference from other load)")
+    p.add_argument("--clock", choices=("auto", "wall"), default="auto",
+                   help="auto (default): fit the CPU time of compute points measured on one-thread CPU ranks (immune "
+                        "to other processes on a shared machine), wall clock elsewhere; wall: wall clock everywhere")
     w = p.add_argument_group("what to measure")
     w.add_argument("--model", help="model whose GEMMs and groups to measure (default per device: "
                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_MODEL.items()) + ")")
@@ -239,7 +242,8 @@ def _run_local(args) -> None:
     if out:
         from perfsim.calibrate import fit_ledger
         fit_ledger(options.ledger, system, out, args.name, device_kind=args.device,
-                   warn=lambda m: print(m, file=sys.stderr), statistic=args.statistic)
+                   warn=lambda m: print(m, file=sys.stderr), statistic=args.statistic,
+                   clock=args.clock)
 
 
 def _visible_devices(device: str) -> int:
@@ -275,7 +279,7 @@ def _run_fit(args) -> None:
     out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
     _check_out(out)
     fit_ledger(args.fit, system, out, args.name, device_kind=args.device, warn=lambda m: print(m, file=sys.stderr),
-               statistic=args.statistic)
+               statistic=args.statistic, clock=args.clock)
 
 
 def _run_emit_slurm(args) -> None:
