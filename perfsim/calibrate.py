@@ -567,13 +567,25 @@ def _toml_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _toml_float(value: float) -> str:
+    """Shortest exact text of a float, in exponent form when large or small (1.184e+11)."""
+    text = repr(float(value))
+    if value and (abs(value) >= 1e6 or abs(value) < 1e-3) and "e" not in text:
+        mantissa, exponent = f"{value:.15e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        short = f"{mantissa}e{int(exponent):+03d}"
+        if float(short) == value:
+            text = short
+    return text
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        return repr(float(f"{value:.6g}")) if value else "0.0"
+        return _toml_float(value)
     if isinstance(value, str):
         return _toml_string(value)
     raise TypeError(f"cannot write {value!r} to a profile")

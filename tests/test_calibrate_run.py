@@ -91,7 +91,7 @@ def test_killed_half_way_and_resumed(tmp_path):
     model = "layers=2,hidden=128,heads=4,seq=64,vocab=512"
     argv = [sys.executable, "-m", "perfsim.cli", "calibrate", "--worker", "--device", "cpu", "--quick",
             "--suites", "gemm,memory", "--dtypes", "fp32", "--ledger", str(ledger), "--model", model, "--tp", "1",
-            "--min-time", "0.01", "--repeats", "2", "--warmup", "0", "--threads", "1"]
+            "--min-time", "0.03", "--repeats", "2", "--warmup", "0", "--threads", "1"]
     proc = subprocess.Popen(argv, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while _lines(ledger) < 4 and proc.poll() is None and time.monotonic() < deadline:
