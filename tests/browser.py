@@ -46,13 +46,18 @@ TAIL_SCRIPT = r"""<script>
   var out = {errors: null, plots: [], slider: null, plotly: typeof Plotly !== 'undefined' ? Plotly.version : null};
   function text(el) { return el ? el.textContent : null; }
   function points(trace) {
+    // Non-empty values of a trace as plotly.js resolved it (_fullData: typed arrays decoded).
     var n = 0;
     ['x', 'y', 'z', 'values'].forEach(function (k) {
       var v = trace[k];
-      if (v && v.length !== undefined) {
-        var flat = [].concat.apply([], Array.prototype.map.call(v, function (r) { return r; }));
-        n = Math.max(n, flat.filter(function (x) { return x !== null && x !== undefined; }).length);
-      }
+      if (!v || v.length === undefined || typeof v === 'string') { return; }
+      var count = 0;
+      Array.prototype.forEach.call(v, function (row) {
+        if (row !== null && typeof row === 'object' && row.length !== undefined) {
+          Array.prototype.forEach.call(row, function (x) { if (x !== null && x !== undefined) { count++; } });
+        } else if (row !== null && row !== undefined) { count++; }
+      });
+      n = Math.max(n, count);
     });
     return n;
   }
@@ -65,7 +70,7 @@ TAIL_SCRIPT = r"""<script>
       });
       out.plots.push({
         id: gd.id, traces: (gd.data || []).length,
-        points: (gd.data || []).reduce(function (n, t) { return n + points(t); }, 0),
+        points: (gd._fullData || []).reduce(function (n, t) { return n + points(t); }, 0),
         marks: gd.querySelectorAll('.scatterlayer .point, .scatterlayer path.js-line, .barlayer path, ' +
                                    '.heatmaplayer image, .shapelayer path').length,
         title: title || null, axes: axes, sliders: (layout.sliders || []).length,
@@ -149,24 +154,23 @@ def instrument(page: str, copy: str) -> None:
         fh.write(text)
 
 
-def _run(args, timeout: float) -> str:
-    proc = subprocess.run([CHROMIUM, *FLAGS, *args], capture_output=True, text=True, timeout=timeout)
-    return proc.stdout
-
-
-def check_pages(pages: list, workdir: str, budget_ms: int = 8000, timeout: float = 90) -> dict:
-    """page path -> the findings its injected script wrote (None if it wrote nothing); the pages
-    are opened by parallel Chromium processes."""
-    procs = {}
+def check_pages(pages: list, workdir: str, budget_ms: int = 8000, timeout: float = 120, parallel: int = 4) -> dict:
+    """page path -> the findings its injected script wrote (None if it wrote nothing); up to
+    `parallel` Chromium processes at once."""
+    commands = {}
     for n, page in enumerate(pages):
         copy = os.path.join(workdir, f"checked-{n}-{os.path.basename(page)}")
         instrument(page, copy)
         profile = os.path.join(workdir, f"profile-{n}")
-        cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--window-size=1500,1100",
-               f"--virtual-time-budget={budget_ms}", "--dump-dom", "file://" + os.path.abspath(copy)]
-        procs[page] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    found = {}
-    for page, proc in procs.items():
+        commands[page] = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--window-size=1500,1100",
+                          f"--virtual-time-budget={budget_ms}", "--dump-dom", "file://" + os.path.abspath(copy)]
+    found, waiting, running = {}, list(commands), {}
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            page = waiting.pop(0)
+            running[page] = subprocess.Popen(commands[page], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        page = next(iter(running))
+        proc = running.pop(page)
         try:
             dom, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
