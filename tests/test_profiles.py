@@ -84,8 +84,10 @@ def test_profile_values_are_physically_sane(path):
     assert 0 < d.gemm_efficiency <= 1 and 0 < d.memory_efficiency <= 1
     assert d.peak_flops_bf16 >= d.peak_flops_fp32 > 0
     assert s.node.devices_per_node % s.node.devices_per_card == 0
-    for eff in dataclasses.astuple(s.collectives):
+    c = s.collectives
+    for eff in (c.card_efficiency, c.node_efficiency, c.network_efficiency):
         assert 0 < eff <= 1
+    assert c.algorithm in ("auto", "ring", "tree", "hierarchical")
     assert s.network.oversubscription >= 1
 
 

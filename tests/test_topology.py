@@ -79,7 +79,7 @@ def test_data_parallel_one_tile_per_node_shares_the_nics(smng):
     # stride 8, size 4: every tile of every node sends off-node at once; 2 HDR NICs of 25 GB/s
     r = TopologyCommModel(smng).ring(4, 8)
     assert r.raw_bandwidth_Bps == pytest.approx(2 * 25e9 / 8)  # 6.25e9
-    assert r.bandwidth_Bps == pytest.approx(6.25e9 * 0.8)  # x network_efficiency
+    assert r.bandwidth_Bps == pytest.approx(6.25e9 * smng.collectives.network_efficiency)
     assert r.bottleneck == "network" and r.flows == 4  # 4 tiles per NIC
     assert r.latency_s == pytest.approx(smng.network.latency_s)
 
@@ -151,7 +151,9 @@ def test_same_shape_same_answer_on_any_number_of_nodes(smng):
             assert (raw, eff, lat) == pytest.approx((model.ring(g, s).raw_bandwidth_Bps,
                                                      model.ring(g, s).bandwidth_Bps, model.ring(g, s).latency_s))
     # the model has no node count: a plan's shapes on 1024 nodes are answered from the same cache
-    assert model.all_reduce(1e9, 1024, 8) == pytest.approx(2 * 1023 / 1024 * 1e9 / 5e9 + 2 * 1023 * 2e-6)
+    ring = TopologyCommModel(smng, algorithm="ring")
+    bw = 6.25e9 * smng.collectives.network_efficiency
+    assert ring.all_reduce(1e9, 1024, 8) == pytest.approx(2 * 1023 / 1024 * 1e9 / bw + 2 * 1023 * 2e-6)
 
 
 @pytest.mark.parametrize("name", ["smng-p2", "v100-tacc", "dgx-a100"])
@@ -221,8 +223,8 @@ def test_link_agrees_with_simple_model_where_it_is_exact(name):
         assert topo.link(g, s)[1] == pytest.approx(simple.link(g, s)[1]), (g, s)
 
 
-def test_collectives_agree_with_simple_model_when_the_ring_is_best(dgx):
-    topo, simple = TopologyCommModel(dgx), CommModel(dgx)
+def test_collectives_agree_with_simple_model_when_rings_are_used(dgx):
+    topo, simple = TopologyCommModel(dgx, algorithm="ring"), CommModel(dgx)
     n = np.array([1e3, 1e6, 1e9])
     for g, s in [(8, 1), (4, 2), (2, 4), (4, 8), (64, 8)]:
         assert topo.all_reduce(n, g, s) == pytest.approx(simple.all_reduce(n, g, s))
@@ -266,9 +268,9 @@ def test_small_messages_pick_by_latency_large_by_bandwidth(dgx):
 
 
 def test_pipeline_send_and_summa_broadcast(smng):
-    model = TopologyCommModel(smng)
+    model = TopologyCommModel(smng, algorithm="ring")  # the chain; the tree is tested below
     # pipeline stages one node apart: every tile of a middle stage sends off-node, 4 per NIC
-    assert model.send(1e8, 4, 8) == pytest.approx(1e8 / 5e9 + 2e-6)
+    assert model.send(1e8, 4, 8) == pytest.approx(1e8 / (6.25e9 * smng.collectives.network_efficiency) + 2e-6)
     # pipeline stages inside a node, 2 tiles apart: Xe Link, one flow per link
     xe = smng.node.node_link_bandwidth_Bps * 0.7
     assert model.send(1e8, 4, 2) == pytest.approx(1e8 / xe + 10e-6)
@@ -309,3 +311,299 @@ def test_node_patterns_python_and_numpy_agree(monkeypatch):
     monkeypatch.setattr(topology, "_PYTHON_PATTERN_LIMIT", 0)
     for (g, s, w), rows in small.items():
         assert sorted(node_patterns(8, g, s, w)) == sorted(rows), (g, s, w)
+
+
+# ---- trees --------------------------------------------------------------------------------------
+# A reference written top-down (children from parents), where the module builds parents bottom-up.
+
+def reference_tree(g):
+    """Parent list of the in-order binary tree: position p with lowest set bit b (the root 0: the
+    power of two >= g) has children p - b/2 (not the root) and p + h for the largest h of b/2, b/4, ...
+    with p + h < g."""
+    parent = [-1] * g
+    todo = [(0, 1 << max(g - 1, 0).bit_length())]
+    while todo:
+        p, b = todo.pop()
+        h = b // 2
+        if p > 0 and h >= 1:
+            parent[p - h] = p
+            todo.append((p - h, h))
+        while h >= 1 and p + h >= g:
+            h //= 2
+        if h >= 1:
+            parent[p + h] = p
+            todo.append((p + h, h))
+    return parent
+
+
+def reference_double_tree(g):
+    first = reference_tree(g)
+    if g % 2 == 0:  # mirror
+        second = [-1 if first[g - 1 - p] < 0 else g - 1 - first[g - 1 - p] for p in range(g)]
+    else:  # shift by one
+        second = [-1 if first[(p - 1) % g] < 0 else (first[(p - 1) % g] + 1) % g for p in range(g)]
+    return first, second
+
+
+def tree_edges(g, op):
+    """(tree, child, parent, direction) of every flow of a double-tree all-reduce or broadcast from 0."""
+    first, second = reference_double_tree(g)
+    if op == "broadcast":
+        root = second.index(-1)
+        second = list(second)
+        second[0], second[root] = -1, 0
+    out = []
+    for t, parent in enumerate((first, second)):
+        for c in range(g):
+            if parent[c] >= 0:
+                out.append((t, c, parent[c], "down"))
+                if op == "all_reduce":
+                    out.append((t, c, parent[c], "up"))
+    return out, (first, second)
+
+
+def port_keys(graph, u, v):
+    """Resources a hop loads (docs/topology.md): card/node links load the devices' ports, a NIC's
+    up- or downlink is its own resource, host links none."""
+    e = graph.edges[u, v]
+    if e["kind"] == "host":
+        return []
+    if e["kind"] == "network":
+        return [(u, v)]
+    return [k for k in ((u, e["kind"], "out") if u[0] == "device" else None,
+                        (v, e["kind"], "in") if v[0] == "device" else None) if k]
+
+
+def brute_force_tree(system, size, stride, nodes, op, card_topology=None):
+    """(raw, effective bandwidth per flow, latency term) of the double tree over every group of a
+    whole machine, all groups at once; latency = max over groups and trees of the first chunk's way."""
+    graph = build_graph(system, nodes, card_topology)
+    D = system.node.devices_per_node
+    world = nodes * D
+    eff = {"card": system.collectives.card_efficiency, "node": system.collectives.node_efficiency,
+           "network": system.collectives.network_efficiency}
+    dev = lambda r: ("device", r // D, r % D)  # noqa: E731
+    edges, trees = tree_edges(size, op)
+    load, bw, latency = {}, {}, 0.0
+    for base in range(world):
+        if (base // stride) % size:
+            continue  # not the first member of a group
+        member = lambda k: base + k * stride  # noqa: E731
+        hop_latency = {}
+        for t, c, p, direction in edges:
+            a, b = (member(c), member(p)) if direction == "up" else (member(p), member(c))
+            path = nx.shortest_path(graph, dev(a), dev(b), weight="cost")
+            hop_latency[(t, c, direction)] = sum(graph.edges[u, v]["latency"] for u, v in zip(path, path[1:]))
+            for u, v in zip(path, path[1:]):
+                for key in port_keys(graph, u, v):
+                    load[key] = load.get(key, 0) + 1
+                    bw[key] = (graph.edges[u, v]["bandwidth"], eff[graph.edges[u, v]["kind"]])
+        for t, parent in enumerate(trees):
+            way = 0.0
+            for direction in ("up", "down") if op == "all_reduce" else ("down",):
+                longest = 0.0
+                for c in range(size):
+                    total, q = 0.0, c
+                    while parent[q] >= 0:
+                        total += hop_latency[(t, q, direction)]
+                        q = parent[q]
+                    longest = max(longest, total)
+                way += longest
+            latency = max(latency, way)
+    raw = min(b / load[k] for k, (b, _) in bw.items())
+    effective = min(b * e / load[k] for k, (b, e) in bw.items())
+    return raw, effective, latency
+
+
+@pytest.mark.parametrize("g", list(range(1, 70)) + [128, 255, 256, 1000, 1024])
+def test_double_binary_tree_structure(g):
+    first, second = topology.double_binary_tree(g)
+    ref_first, ref_second = reference_double_tree(g)
+    assert first.tolist() == ref_first and second.tolist() == ref_second
+    for parent in (first, second):
+        assert (parent < 0).sum() == 1  # one root
+        assert np.bincount(parent[parent >= 0], minlength=g).max(initial=0) <= 2  # binary
+        depth = topology.path_sums(parent, np.ones(g))
+        assert depth.max() == math.ceil(math.log2(g))  # every member reaches the root, in log2 g levels
+    inner = lambda parent: set(parent[parent >= 0].tolist())  # noqa: E731
+    if g % 2 == 0:  # every member is inner in at most one tree
+        assert not inner(first) & inner(second)
+
+
+TREE_SHAPES = [(2, 1), (4, 1), (8, 1), (3, 1), (4, 2), (2, 4), (16, 1), (8, 2), (4, 8), (3, 8), (6, 4),
+               (5, 8), (12, 2), (16, 8), (7, 1)]
+
+
+@pytest.mark.parametrize("name", PROFILES + ("odd",))
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast"])
+def test_tree_equals_brute_force(name, op):
+    system = odd_machine() if name == "odd" else load_system(name)
+    D = system.node.devices_per_node
+    model = TopologyCommModel(system)
+    for g, s in TREE_SHAPES:
+        nodes = math.lcm(g * s, D) // D
+        if nodes > 16:
+            continue
+        raw, eff, lat = brute_force_tree(system, g, s, nodes, op)
+        t = model.tree(g, s, op)
+        assert t.raw_bandwidth_Bps == pytest.approx(raw), (name, op, g, s)
+        assert t.bandwidth_Bps == pytest.approx(eff), (name, op, g, s)
+        # per edge the model takes its slowest placement: exact for alike groups, never below
+        assert t.latency_s >= lat * (1 - 1e-12), (name, op, g, s)
+        if D % (g * s) == 0 or s % D == 0:
+            assert t.latency_s == pytest.approx(lat), (name, op, g, s)
+
+
+@pytest.mark.parametrize("name", ["smng-p2", "v100-tacc", "dgx-a100"])
+def test_card_wiring_does_not_change_trees(name):
+    system = load_system(name)
+    switch = TopologyCommModel(system, card_topology="switch")
+    mesh = TopologyCommModel(system, card_topology="all-to-all")
+    for g, s in TREE_SHAPES:
+        for op in ("all_reduce", "broadcast"):
+            a, b = switch.tree(g, s, op), mesh.tree(g, s, op)
+            assert (a.bandwidth_Bps, a.latency_s) == pytest.approx((b.bandwidth_Bps, b.latency_s)), (g, s, op)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_generic_flows_reproduce_the_ring(name):
+    model = TopologyCommModel(load_system(name))
+    for g, s in SHAPES:
+        k = np.arange(g)
+        eff, raw, kind, flows, latency = model.flows(g, s, k, (k + 1) % g)
+        r = model.ring(g, s)
+        assert (eff, raw, latency.max()) == pytest.approx((r.bandwidth_Bps, r.raw_bandwidth_Bps, r.latency_s)), (g, s)
+
+
+@pytest.mark.parametrize("name", ["smng-p2", "dgx-a100"])
+def test_tree_wins_small_and_loses_large_on_64_nodes(name):
+    """Data parallel over 64 nodes, one device per node per group (tp = devices per node), every
+    device of every node in its own group at once. Per device the double tree has at most 4 flows
+    each way (inner in one tree: up + 2 down; leaf in the other: up), each carrying n/2; the ring
+    has 1 flow carrying 2 (g-1)/g n in all."""
+    system = load_system(name)
+    D, nics = system.node.devices_per_node, system.network.nics_per_node
+    nic = system.network.nic_bandwidth_Bps * system.collectives.network_efficiency
+    alpha = system.network.latency_s
+    g = 64
+    tree = lambda n: 0.5 * n / (nic / (4 * D // nics)) + 2 * 6 * alpha  # noqa: E731  (depth log2 64 = 6)
+    ring = lambda n: 2 * (g - 1) / g * n / (nic / (D // nics)) + 2 * (g - 1) * alpha  # noqa: E731
+    auto = TopologyCommModel(system)
+    fixed_tree, fixed_ring = TopologyCommModel(system, algorithm="tree"), TopologyCommModel(system, algorithm="ring")
+    for n in (1024.0, 2.0 ** 30):
+        assert fixed_tree.all_reduce(n, g, D) == pytest.approx(tree(n))
+        assert fixed_ring.all_reduce(n, g, D) == pytest.approx(ring(n))
+        assert auto.all_reduce(n, g, D) == pytest.approx(min(tree(n), ring(n)))
+    assert tree(1024.0) < ring(1024.0) / 5 and auto.algorithm("all_reduce", 1024, g, D).startswith("double binary tree")
+    assert tree(2.0 ** 30) > ring(2.0 ** 30) and auto.algorithm("all_reduce", 2 ** 30, g, D).startswith("ring")
+
+
+def test_tree_of_two_is_the_ring(smng):
+    model, tree = TopologyCommModel(smng), TopologyCommModel(smng, algorithm="tree")
+    mdfi = 196e9 * smng.collectives.card_efficiency
+    for n in (1e3, 1e9):  # two flows each way, n/2 each: n / B, and one step up and one down
+        assert tree.all_reduce(n, 2, 1) == pytest.approx(n / mdfi + 2 * 5e-6)
+        assert model.all_reduce(n, 2, 1) == pytest.approx(n / mdfi + 2 * 5e-6)
+
+
+def test_tree_broadcast_across_four_cards(smng):
+    """Broadcast from member 0 over the 4 cards of a node (g 4, stride 2). Trees: 0 -> 2 -> {1, 3};
+    mirrored 3 -> 1 -> {0, 2}, with 0 cut loose and sending to 3 instead: 0 -> 3 -> 1 -> 2. Member 0
+    and member 2 each send two halves at once over their tile's Xe Link port: n / B; the deeper tree
+    has 3 levels. Same time as the chain here; on 64 nodes the tree's 7 levels beat 63 steps."""
+    xe = smng.node.node_link_bandwidth_Bps * smng.collectives.node_efficiency
+    tree = TopologyCommModel(smng, algorithm="tree")
+    assert tree.broadcast(1e8, 4, 2) == pytest.approx(1e8 / xe + 3 * 10e-6)
+    assert tree.reduce(1e8, 4, 2) == pytest.approx(1e8 / xe + 3 * 10e-6)
+    auto, chain = TopologyCommModel(smng), TopologyCommModel(smng, algorithm="ring")
+    nic = 25e9 * smng.collectives.network_efficiency
+    assert chain.broadcast(1024, 64, 8) == pytest.approx(1024 / (nic / 4) + 63 * 2e-6)
+    assert auto.broadcast(1024, 64, 8) == pytest.approx(0.5 * 1024 / (nic / 8) + 7 * 2e-6)
+    assert auto.algorithm("broadcast", 1024, 64, 8).startswith("double binary tree")
+
+
+# ---- the algorithm fixed by the profile ---------------------------------------------------------
+
+def test_fixed_ring_is_the_flat_ring(smng):
+    """The 8 tiles of a node: auto takes a hierarchical algorithm (rings for 1 GB, a tree across the
+    cards for 1 KiB); fixed to "ring" it is the flat ring, 2 (g-1)/g n / B + 2 (g-1) alpha over Xe Link."""
+    xe = smng.node.node_link_bandwidth_Bps * smng.collectives.node_efficiency
+    flat = lambda n: 2 * 7 / 8 * n / xe + 2 * 7 * 10e-6  # noqa: E731
+    auto = TopologyCommModel(smng)
+    ring = TopologyCommModel(replace_algorithm(smng, "ring"))  # fixed by the profile
+    assert ring.algorithm_rule == "ring"
+    for n in (1024.0, 1e9):
+        assert ring.all_reduce(n, 8, 1) == pytest.approx(flat(n))
+        assert auto.all_reduce(n, 8, 1) < 0.9 * flat(n)
+        assert ring.algorithm("all_reduce", n, 8, 1) == "ring(8, stride 1)"
+        assert ring.all_gather(n, 8, 1) == pytest.approx(7 / 8 * n / xe + 7 * 10e-6)
+    assert auto.algorithm("all_reduce", 1e9, 8, 1) == "hierarchical[ring(2, stride 1) | ring(4, stride 2)]"
+    # 1 KiB: MDFI pairs, then the tree over the 4 cards (2 x 2 x 10 us) beats the flat tree (2 x 3 x 10 us)
+    assert auto.algorithm("all_reduce", 1024, 8, 1) == "hierarchical[ring(2, stride 1) | double binary tree(4, stride 2)]"
+
+
+def test_fixed_tree_and_hierarchical(smng):
+    n = 1024.0
+    tree = TopologyCommModel(smng, algorithm="tree")
+    assert tree.all_reduce(n, 8, 1) == pytest.approx(tree.tree(8, 1).time(n))
+    assert tree.algorithm("all_reduce", n, 8, 1) == "double binary tree(8, stride 1)"
+    ring = TopologyCommModel(smng, algorithm="ring")
+    assert tree.reduce_scatter(n, 8, 1) == pytest.approx(ring.reduce_scatter(n, 8, 1))  # no tree reduce-scatter
+    # hierarchical even where the tree is faster: reduce-scatter over MDFI pairs, flat ring all-reduce
+    # of n/2 over the 4 cards (no further split), all-gather over MDFI
+    hier = TopologyCommModel(smng, algorithm="hierarchical")
+    mdfi = 196e9 * smng.collectives.card_efficiency
+    xe = smng.node.node_link_bandwidth_Bps * smng.collectives.node_efficiency
+    expected = 2 * (0.5 * n / mdfi + 5e-6) + 2 * 3 / 4 * (n / 2) / xe + 2 * 3 * 10e-6
+    assert hier.all_reduce(n, 8, 1) == pytest.approx(expected)
+    assert TopologyCommModel(smng).all_reduce(n, 8, 1) < expected
+    assert hier.algorithm("all_reduce", n, 8, 1) == "hierarchical[ring(2, stride 1) | ring(4, stride 2)]"
+    # no split offered (one member per node): rings
+    assert hier.all_reduce(n, 64, 8) == pytest.approx(ring.all_reduce(n, 64, 8))
+    with pytest.raises(ValueError):
+        TopologyCommModel(smng, algorithm="bus")
+
+
+def replace_algorithm(system, algorithm):
+    from dataclasses import replace
+    return replace(system, collectives=replace(system.collectives, algorithm=algorithm))
+
+
+def _with_algorithm(value):
+    def edit(data):
+        data["collectives"]["algorithm"] = value
+    return edit
+
+
+def test_profile_key_loads_and_defaults_to_auto(tmp_path):
+    from profile_toml import write_variant
+    assert load_system("smng-p2").collectives.algorithm == "auto"  # left out
+    for value in ("auto", "ring", "tree", "hierarchical"):
+        path = write_variant(tmp_path, "smng-p2", _with_algorithm(value), filename=f"{value}.toml")
+        assert load_system(path).collectives.algorithm == value
+
+
+def test_profile_algorithm_reaches_predict(tmp_path):
+    """The built-in case (175B, TP 8 inside an SMNG-P2 node): its large tensor-parallel all-reduces
+    take the hierarchical algorithm under auto; a profile that fixes the flat ring is slower."""
+    from profile_toml import write_variant
+    from perfsim.cli import BUILTIN_CASE
+    from perfsim.predict import predict
+    from perfsim.spec.plan import Plan
+    plan = Plan(**BUILTIN_CASE["plan"], dp=1)
+    times = {}
+    for value in ("auto", "ring"):
+        path = write_variant(tmp_path, "smng-p2", _with_algorithm(value), filename=f"{value}.toml")
+        times[value] = predict(BUILTIN_CASE["model"], load_system(path), plan).time_breakdown_s["tp_comm"]
+    assert times["ring"] > 1.2 * times["auto"]
+
+
+@pytest.mark.parametrize("value", ["fastest", "Ring", 3, {"value": "ring", "provenance": "assumed", "source": "x"}])
+def test_bad_algorithm_is_a_one_line_error(tmp_path, capsys, value):
+    from profile_toml import write_variant
+    from perfsim import cli
+    path = write_variant(tmp_path, "smng-p2", _with_algorithm(value))
+    assert cli.main(["predict", "--system", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("perfsim: error:")
+    assert "collectives.algorithm" in err and path in err and "auto, ring, tree, hierarchical" in err

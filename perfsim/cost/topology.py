@@ -8,9 +8,11 @@ direction; links are full duplex), `latency` (s), `kind` (card, node, network, h
 
 `TopologyCommModel(system)` answers the questions `collectives.CommModel` answers, with the same
 interface (`link`, `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `reduce`, `send`,
-numpy arrays welcome), by routing every ring edge of every group of a parallel dimension over the
-graph at once, counting the flows on each directed link, and choosing per collective and size the
-fastest of a flat ring, NCCL-style multi-channel rings, and hierarchical algorithms.
+numpy arrays welcome), by routing every ring (or tree) edge of every group of a parallel dimension
+over the graph at once, counting the flows on each directed link, and choosing per collective and
+size the fastest of a flat ring, NCCL-style multi-channel rings, an NCCL-style double binary tree
+(all-reduce, broadcast, reduce) and hierarchical algorithms, or the one the profile fixes
+(`collectives.algorithm`: auto, ring, tree, hierarchical).
 
 A parallel dimension is (g, s): groups of g ranks s apart, ranks placed on devices in order
 (rank r on node r // devices_per_node, device r % devices_per_node). The fat tree's core is
@@ -31,11 +33,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perfsim.spec.system import System
+from perfsim.spec.system import ALGORITHMS, System
 
 CARD, NODE, NETWORK, HOST = "card", "node", "network", "host"
 LINK_KINDS = (CARD, NODE, NETWORK, HOST)
 SWITCH, ALL_TO_ALL = "switch", "all-to-all"
+AUTO, RING, TREE, HIERARCHICAL = ALGORITHMS
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE = (
+    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
 # Routing cost added per device<->NIC hop, in seconds of path cost: large enough that a NIC is never
 # a shortcut between two devices of one node, and equal on every inter-node route (each has two).
@@ -172,14 +177,96 @@ def node_patterns(devices_per_node: int, size: int, stride: int, wrap: bool = Tr
     return [(tuple(int(x) for x in r[:D]), tuple(bool(x) for x in r[D:])) for r in rows]
 
 
+def binary_tree(size: int) -> np.ndarray:
+    """Parent of every position 0..size-1 of an in-order binary tree rooted at 0 (parent -1).
+
+    Position p > 0 with lowest set bit b hangs under p + b when bit 2b of p is clear and p + b < size,
+    else under p - b; the root has one child, the largest power of two below size. Position p's
+    subtree is p-b+1 .. p+b-1, odd positions are the leaves, the depth is ceil(log2 size)."""
+    p = np.arange(size, dtype=np.int64)
+    low = np.maximum(p & -p, 1)  # position 0 gets a placeholder: it is the root
+    up = p + low
+    parent = np.where(((p // (2 * low)) % 2 == 0) & (up < size), up, p - low)
+    parent[0] = -1
+    return parent
+
+
+def double_binary_tree(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two trees of an NCCL-style double binary tree over positions 0..size-1, as parent arrays.
+    The second tree mirrors the first (position p plays size-1-p) when size is even, or shifts it by
+    one (p plays p-1) when size is odd, so that the first tree's leaves (odd positions) are the
+    second tree's inner members: every member is inner in at most one tree (even size)."""
+    first = binary_tree(size)
+    p = np.arange(size, dtype=np.int64)
+    if size % 2 == 0:
+        q = first[size - 1 - p]
+        second = np.where(q >= 0, size - 1 - q, -1)
+    else:
+        q = first[(p - 1) % size]
+        second = np.where(q >= 0, (q + 1) % size, -1)
+    return first, second
+
+
+def broadcast_trees(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The double binary tree rooted at position 0 for a broadcast (or reduce) from member 0: the first
+    tree as it is; the second with member 0 cut from its parent and hung above the second tree's
+    root instead (member 0 sends that half to the root, which passes it on down)."""
+    first, second = double_binary_tree(size)
+    second = second.copy()
+    if size > 1:
+        root = int(np.flatnonzero(second < 0)[0])
+        second[0], second[root] = -1, 0
+    return first, second
+
+
+def path_sums(parent: np.ndarray, edge: np.ndarray) -> np.ndarray:
+    """For every position, the sum of `edge[..., q]` (the edge from q to its parent) over the
+    positions q on its way up to the root (the root's own entry is ignored); pointer jumping,
+    log2(depth) steps."""
+    root = parent < 0
+    above = np.where(root, np.arange(len(parent)), parent)
+    total = np.where(root, 0.0, np.asarray(edge, dtype=float))  # edge may stack several rows: [..., size]
+    for _ in range(len(parent).bit_length() + 1):  # a depth below len(parent) needs fewer doublings
+        if root[above].all():
+            return total
+        total = total + total[..., above]
+        above = above[above]
+    raise ValueError("parent array is not a tree (a cycle, or no root)")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What each group of a dimension (g, s) gets when all its groups run a pipelined double binary
+    tree at once (`op` "all_reduce" or "broadcast"). Each tree carries half the message, every tree
+    edge is one flow per direction it is used in, so the collective takes
+    n / 2 / bandwidth_Bps + latency_s (docs/topology.md section 4)."""
+    size: int
+    stride: int
+    op: str
+    bandwidth_Bps: float      # per-flow bandwidth of the busiest link, collective efficiency applied
+    raw_bandwidth_Bps: float  # the same from link bandwidths alone
+    latency_s: float          # the first chunk's way: up and down the deeper tree (all-reduce), down (broadcast)
+    depth: int                # levels of the deeper tree
+    bottleneck: str           # link kind that limits bandwidth_Bps
+    flows: int                # flows sharing that bottleneck (one direction)
+
+    def time(self, nbytes):
+        return 0.5 * nbytes / self.bandwidth_Bps + self.latency_s
+
+
 class TopologyCommModel:
     """Collective times on the machine graph; the interface of collectives.CommModel.
 
     `router="graph"` (default) routes with this module's own shortest-path search; `"networkx"`
-    routes with networkx on build_graph (slower; tests use it as the reference)."""
+    routes with networkx on build_graph (slower; tests use it as the reference). `algorithm`
+    overrides the profile's `collectives.algorithm` (auto, ring, tree, hierarchical)."""
 
-    def __init__(self, system: System, router: str = "graph", card_topology: str | None = None):
+    def __init__(self, system: System, router: str = "graph", card_topology: str | None = None,
+                 algorithm: str | None = None):
         nd, eff = system.node, system.collectives
+        self.algorithm_rule = algorithm or eff.algorithm
+        if self.algorithm_rule not in ALGORITHMS:
+            raise ValueError(f"collective algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm_rule!r}")
         self.system = system
         self.devices_per_node = nd.devices_per_node
         self.devices_per_card = nd.devices_per_card
@@ -189,7 +276,8 @@ class TopologyCommModel:
         machine = (nd, system.network, card_topology or default_card_topology(system), router)
         self._adjacency = None
         self._paths = _ROUTES.setdefault(machine, {})
-        self._shapes = _SHAPES.setdefault(machine + (eff,), {})
+        efficiencies = (eff.card_efficiency, eff.node_efficiency, eff.network_efficiency)
+        self._shapes = _SHAPES.setdefault(machine + efficiencies, {})
 
     # --- routing on the two-node graph: node 0 is studied, node 1 stands for "another node" ---
     def _graph(self):
@@ -264,24 +352,169 @@ class TopologyCommModel:
                     flows.append(self.path(device(0, d), device(1, d)))
                 if arrive[d]:
                     flows.append(self.path(device(1, d), device(0, d)))
-            load: dict = {}
-            for hops in flows:
-                for u, v, attrs in hops:
-                    if attrs["node"] == 0:
-                        load[(u, v)] = load.get((u, v), 0) + 1
-            eff_bw, raw_bw, latency, kind, nflows = best
-            for hops in flows:
-                latency = max(latency, sum(attrs["latency"] for _, _, attrs in hops))
-                for u, v, attrs in hops:
-                    if attrs["node"] != 0:
-                        continue
-                    n = load[(u, v)]
-                    raw_bw = min(raw_bw, attrs["bandwidth"] / n)
-                    e = attrs["bandwidth"] * self.efficiency[attrs["kind"]] / n
-                    if e < eff_bw:
-                        eff_bw, kind, nflows = e, attrs["kind"], n
+            eff_bw, raw_bw, kind, nflows = self._bottleneck([(hops, 1) for hops in flows], best[:2] + best[3:])
+            latency = max([best[2]] + [sum(attrs["latency"] for _, _, attrs in hops) for hops in flows])
             best = (eff_bw, raw_bw, latency, kind, nflows)
         return RingShape(size, stride, best[0], best[1], best[2], best[3], best[4])
+
+    @staticmethod
+    def _resources(hops):
+        """The node-0 resources a route loads, each with its link's attributes. A card or node link
+        loads the sending device's port and the receiving device's port of that kind: the profile's
+        card/node bandwidths are per device (docs/profile-format.md), so on the all-to-all wiring the
+        flows a device sends over all its Xe Links share one port, as on a switch (for rings, where a
+        device sends one flow, this is the same as counting per link). A NIC's uplink and downlink are
+        resources of their own; device-to-NIC (host) hops are never the bottleneck."""
+        for u, v, attrs in hops:
+            if attrs["node"] != 0 or attrs["kind"] == HOST:
+                continue
+            if attrs["kind"] == NETWORK:
+                yield (u, v), attrs
+                continue
+            if u[0] == "device":
+                yield (u, attrs["kind"], "out"), attrs
+            if v[0] == "device":
+                yield (v, attrs["kind"], "in"), attrs
+
+    def _bottleneck(self, routes, best=(INF, INF, "", 0)):
+        """(effective bandwidth, raw bandwidth, kind, flows) per flow on the busiest node-0 resource
+        when the (hops, count) routes all run at once; `best` is the answer so far (kept if lower)."""
+        load: dict = {}
+        for hops, count in routes:
+            for key, attrs in self._resources(hops):
+                n, _ = load.get(key, (0, attrs))
+                load[key] = (n + count, attrs)
+        eff_bw, raw_bw, kind, nflows = best
+        for n, attrs in load.values():
+            raw_bw = min(raw_bw, attrs["bandwidth"] / n)
+            e = attrs["bandwidth"] * self.efficiency[attrs["kind"]] / n
+            if e < eff_bw:
+                eff_bw, kind, nflows = e, attrs["kind"], n
+        return eff_bw, raw_bw, kind, nflows
+
+    def _latency(self, src, dst):
+        return sum(attrs["latency"] for _, _, attrs in self.path(src, dst))
+
+    def flows(self, size: int, stride: int, src, dst):
+        """Every group of dimension (size, stride) sends, at once, one flow from its member at
+        position src[i] to its member at dst[i], for every i (positions 0..size-1 in rank order).
+        Returns (effective bandwidth, raw bandwidth, bottleneck kind, flows on it, latency of each
+        flow i: its longest route over all groups). Like `ring`, it studies one node at a time on
+        the two-node graph: the distinct nodes of one period g s / gcd(g s, D) of the placement."""
+        D, g, s = self.devices_per_node, int(size), max(int(stride), 1)
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        E, block = len(src), g * s
+        if s % D == 0:
+            return self._flows_one_position(g, src, dst)
+        starts = (np.arange(block // math.gcd(block, D), dtype=np.int64) * D) % block
+        d = np.arange(D, dtype=np.int64)
+        pos = ((starts[:, None] + d[None, :]) % block) // s  # position held by each device of each node
+
+        def by_position(end):  # flow ids grouped by the position at one end, padded with -1: [g, M]
+            order = np.argsort(end, kind="stable")
+            counts = np.bincount(end, minlength=g)
+            first = np.cumsum(counts) - counts
+            table = np.full((g, max(int(counts.max()), 1)), -1, dtype=np.int64)
+            table[end[order], np.arange(E) - first[end[order]]] = order
+            return table
+
+        out_ids, in_ids = by_position(src)[pos], by_position(dst)[pos]  # [nodes, D, M]
+        here = d[None, :, None]
+        sends = out_ids >= 0
+        dest = here + (dst[out_ids] - pos[:, :, None]) * s  # local index of the receiving member
+        local = sends & (dest >= 0) & (dest < D)
+        code = np.where(sends, np.where(local, dest, -1), -2)  # local device, -1 another node, -2 none
+        origin = here + (src[in_ids] - pos[:, :, None]) * s
+        arrivals = ((in_ids >= 0) & ((origin < 0) | (origin >= D))).sum(axis=2)
+        code.sort(axis=2)
+        rows = {tuple(r) for r in np.concatenate([code.reshape(len(starts), -1), arrivals], axis=1).tolist()}
+
+        M = code.shape[2]
+        best = (INF, INF, "", 0)
+        for row in rows:
+            routes = []
+            for dv in range(D):
+                for c in row[dv * M:(dv + 1) * M]:
+                    if c >= 0:
+                        routes.append((self.path(device(0, dv), device(0, c)), 1))
+                    elif c == -1:  # leaves the node: where it lands does not matter (non-blocking core)
+                        routes.append((self.path(device(0, dv), device(1, dv)), 1))
+                if row[D * M + dv]:
+                    routes.append((self.path(device(1, dv), device(0, dv)), row[D * M + dv]))
+            best = self._bottleneck(routes, best)
+
+        # latency of each flow: its slowest placement (routes are cached per device pair)
+        to = np.where(local, dest, D)  # column D: another node
+        lat = np.zeros((D, D + 1))
+        pairs = np.bincount((here * (D + 1) + to)[sends], minlength=D * (D + 1))  # np.unique would import numpy.ma
+        for key in np.flatnonzero(pairs).tolist():
+            a, b = divmod(key, D + 1)
+            lat[a, b] = self._latency(device(0, a), device(0 if b < D else 1, b if b < D else a))
+        latency = np.zeros(E)
+        np.maximum.at(latency, out_ids[sends], lat[np.broadcast_to(here, to.shape)[sends], to[sends]])
+        return best + (latency,)
+
+    def _flows_one_position(self, g, src, dst):
+        """`flows` when the stride is a multiple of devices_per_node: the D devices of a node hold one
+        position k of D different groups, and every flow leaves or enters the node. A node's load is
+        fixed by how many flows position k sends and receives, so only those pairs are studied."""
+        D = self.devices_per_node
+        degrees = set(zip(np.bincount(src, minlength=g).tolist(), np.bincount(dst, minlength=g).tolist()))
+        best = (INF, INF, "", 0)
+        for sent, received in degrees:
+            routes = []
+            for dv in range(D):
+                if sent:
+                    routes.append((self.path(device(0, dv), device(1, dv)), sent))
+                if received:
+                    routes.append((self.path(device(1, dv), device(0, dv)), received))
+            best = self._bottleneck(routes, best)
+        away = max(self._latency(device(0, dv), device(1, dv)) for dv in range(D))
+        return best + (np.full(len(src), away),)
+
+    def tree(self, size: int, stride: int, op: str = ALL_REDUCE) -> TreeShape:
+        """Bandwidth and latency of a pipelined double binary tree over dimension (size, stride),
+        every group running it at once: op "all_reduce" (reduce up both trees, broadcast down, at
+        once) or "broadcast" (down both trees from member 0; a reduce is the same, reversed)."""
+        size, stride = int(size), max(int(stride), 1)
+        key = ("tree", op, size, stride)
+        if key not in self._shapes:
+            self._shapes[key] = self._tree(size, stride, op)
+        return self._shapes[key]
+
+    def _tree(self, g, s, op):
+        if g <= 1:
+            return TreeShape(g, s, op, INF, INF, 0.0, 0, "", 0)
+        if g == 2:  # both trees are the one edge: the ring's flows and steps (n/2 twice each way)
+            r = self.ring(2, s, wrap=op == ALL_REDUCE)
+            steps = 2 if op == ALL_REDUCE else 1
+            return TreeShape(g, s, op, r.bandwidth_Bps / 2, r.raw_bandwidth_Bps / 2, steps * r.latency_s, 1,
+                             r.bottleneck, 2 * r.flows)
+        if op == ALL_REDUCE:
+            trees, directions = double_binary_tree(g), ("up", "down")
+        elif op == BROADCAST:
+            trees, directions = broadcast_trees(g), ("down",)
+        else:
+            raise ValueError(f"tree op must be {ALL_REDUCE!r} or {BROADCAST!r}, got {op!r}")
+        src, dst, ids = [], [], []  # ids[t][direction]: flow id of each position's edge to its parent
+        for parent in trees:
+            child = np.flatnonzero(parent >= 0)
+            index = {}
+            for direction in directions:
+                ends = (child, parent[child]) if direction == "up" else (parent[child], child)
+                flow_id = np.full(g, -1, dtype=np.int64)
+                flow_id[child] = np.arange(len(child)) + sum(len(x) for x in src)
+                src.append(ends[0])
+                dst.append(ends[1])
+                index[direction] = flow_id
+            ids.append(index)
+        eff_bw, raw_bw, kind, nflows, latency = self.flows(g, s, np.concatenate(src), np.concatenate(dst))
+        total, depth = 0.0, 0
+        for parent, index in zip(trees, ids):  # per tree: the longest way up, the longest way down, levels
+            edges = [np.where(flow_id >= 0, latency[flow_id], 0.0) for flow_id in index.values()] + [np.ones(g)]
+            longest = path_sums(parent, np.array(edges)).max(axis=1)
+            total, depth = max(total, float(longest[:-1].sum())), max(depth, int(longest[-1]))
+        return TreeShape(g, s, op, eff_bw, raw_bw, total, depth, kind, nflows)
 
     # --- algorithms: times for one shape, vectorised over nbytes ---
     def _splits(self, g, s):
@@ -312,47 +545,58 @@ class TopologyCommModel:
         per_step = n / (m * g) * max((m - 1) / inside.bandwidth_Bps, 1 / across.bandwidth_Bps)
         return steps_factor * (g - 1) * (per_step + whole.latency_s)
 
-    def _reduce_scatter(self, n, g, s):
-        """Best reduce-scatter (= all-gather) time of n bytes over dimension (g, s)."""
-        if g <= 1:
-            return np.zeros_like(n)
+    def _options(self, op, n, g, s):
+        """(time, label) of every algorithm the rule (`collectives.algorithm`) allows for `op` over
+        (g, s), g > 1: op "all_reduce", "reduce_scatter" (all-gather alike) or "broadcast" (reduce
+        alike). Labels are callables: they name the sub-collectives, which costs a little."""
+        rule = self.algorithm_rule
+        if op == BROADCAST:
+            r = self.ring(g, s, wrap=False)
+            chain = (n / r.bandwidth_Bps + (g - 1) * r.latency_s, lambda: f"chain({g}, stride {s})")
+            if rule not in (AUTO, TREE):
+                return [chain]
+            tree = (self.tree(g, s, BROADCAST).time(n), lambda: f"double binary tree({g}, stride {s})")
+            return [chain, tree] if rule == AUTO else [tree]
+        k = 2 if op == ALL_REDUCE else 1
         r = self.ring(g, s)
-        t = (g - 1) / g * n / r.bandwidth_Bps + (g - 1) * r.latency_s
-        if self._node_split(g, s):
-            t = np.minimum(t, self._multi_ring(n, g, s, 1))
-        for m in self._splits(g, s):  # local reduce-scatter of n, then across sub-groups on n/m
-            t = np.minimum(t, self._reduce_scatter(n, m, s) + self._reduce_scatter(n / m, g // m, m * s))
-        return t
+        rings = [(k * (g - 1) / g * n / r.bandwidth_Bps + k * (g - 1) * r.latency_s, lambda: f"ring({g}, stride {s})")]
+        channels = self._node_split(g, s)
+        if channels:
+            rings.append((self._multi_ring(n, g, s, k), lambda: f"{channels}-channel ring({g}, stride {s})"))
+        if rule == RING or (rule == TREE and op != ALL_REDUCE):  # no tree reduce-scatter (as in NCCL)
+            return rings
+        trees = []
+        if op == ALL_REDUCE:
+            trees = [(self.tree(g, s, ALL_REDUCE).time(n), lambda: f"double binary tree({g}, stride {s})")]
+            if rule == TREE:
+                return trees
+        hierarchical = []
+        for m in self._splits(g, s):  # local reduce-scatter, op across sub-groups on n/m, local all-gather
+            t = k * self._time(REDUCE_SCATTER, n, m, s) + self._time(op, n / m, g // m, m * s)
+            hierarchical.append((t, lambda m=m: f"hierarchical[{self.algorithm(REDUCE_SCATTER, n, m, s)} | "
+                                                 f"{self.algorithm(op, n / m, g // m, m * s)}]"))
+        if rule == HIERARCHICAL:
+            return hierarchical or rings
+        return rings + trees + hierarchical
 
-    def _all_reduce(self, n, g, s):
+    def _time(self, op, n, g, s):
+        """Time of the fastest allowed algorithm for `op` on n bytes (elementwise) over (g, s)."""
         if g <= 1:
             return np.zeros_like(n)
-        r = self.ring(g, s)
-        t = 2 * (g - 1) / g * n / r.bandwidth_Bps + 2 * (g - 1) * r.latency_s
-        if self._node_split(g, s):
-            t = np.minimum(t, self._multi_ring(n, g, s, 2))
-        for m in self._splits(g, s):  # local reduce-scatter, all-reduce of n/m across, local all-gather
-            t = np.minimum(t, 2 * self._reduce_scatter(n, m, s) + self._all_reduce(n / m, g // m, m * s))
+        options = self._options(op, n, g, s)
+        t = options[0][0]
+        for other, _ in options[1:]:
+            t = np.minimum(t, other)
         return t
 
     def algorithm(self, op: str, nbytes: float, size: int, stride: int) -> str:
-        """Which algorithm `op` ("all_reduce" or "reduce_scatter"/"all_gather") uses for one call."""
+        """Which algorithm `op` ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+        uses for one call of nbytes over (size, stride), under the profile's rule."""
         g, s, n = int(size), max(int(stride), 1), np.asarray(float(nbytes))
         if g <= 1:
             return "none"
-        ar = op == "all_reduce"
-        whole = self._all_reduce if ar else self._reduce_scatter
-        r = self.ring(g, s)
-        k = 2 if ar else 1
-        options = [(k * (g - 1) / g * n / r.bandwidth_Bps + k * (g - 1) * r.latency_s, f"ring({g}, stride {s})")]
-        if self._node_split(g, s):
-            options.append((self._multi_ring(n, g, s, k), f"{self._node_split(g, s)}-channel ring({g}, stride {s})"))
-        for m in self._splits(g, s):
-            local = self._reduce_scatter(n, m, s)
-            rest = whole(n / m, g // m, m * s)
-            options.append((k * local + rest, f"hierarchical[{self.algorithm('reduce_scatter', n, m, s)} | "
-                                              f"{self.algorithm(op, n / m, g // m, m * s)}]"))
-        return min(options, key=lambda o: float(o[0]))[1]
+        op = {ALL_GATHER: REDUCE_SCATTER, REDUCE: BROADCAST}.get(op, op)
+        return min(self._options(op, n, g, s), key=lambda o: float(o[0]))[1]()
 
     # --- the CommModel interface ---
     def _each_shape(self, fn, nbytes, size, stride, fill=0.0):
@@ -381,22 +625,20 @@ class TopologyCommModel:
         return bw, lat
 
     def all_reduce(self, nbytes, size, stride):
-        return self._each_shape(self._all_reduce, nbytes, size, stride)
+        return self._each_shape(lambda n, g, s: self._time(ALL_REDUCE, n, g, s), nbytes, size, stride)
 
     def all_gather(self, nbytes, size, stride):
         """n is the full (gathered) tensor's bytes."""
-        return self._each_shape(self._reduce_scatter, nbytes, size, stride)
+        return self._each_shape(lambda n, g, s: self._time(REDUCE_SCATTER, n, g, s), nbytes, size, stride)
 
     reduce_scatter = all_gather  # the same algorithms, run the other way
 
     def broadcast(self, nbytes, size, stride):
-        """Pipelined broadcast (or reduce) along the rank-ordered chain: about n / B + (g-1) alpha."""
-        def chain(n, g, s):
-            r = self.ring(g, s, wrap=False)
-            return n / r.bandwidth_Bps + (g - 1) * r.latency_s
-        return self._each_shape(chain, nbytes, size, stride)
+        """Broadcast (or reduce) from one member: the pipelined chain in rank order,
+        n / B + (g-1) alpha, or the pipelined double binary tree (docs/topology.md section 4)."""
+        return self._each_shape(lambda n, g, s: self._time(BROADCAST, n, g, s), nbytes, size, stride)
 
-    reduce = broadcast
+    reduce = broadcast  # the same flows, reversed: links are full duplex and symmetric
 
     def send(self, nbytes, size, stride):
         """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart

@@ -50,11 +50,16 @@ class Network:
     oversubscription: float
 
 
+# Collective algorithms a profile may fix (collectives.algorithm); "auto" takes the fastest per call.
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+
+
 @dataclass(frozen=True)
 class Collectives:
     card_efficiency: float
     node_efficiency: float
     network_efficiency: float
+    algorithm: str = "auto"  # optional plain string, one of ALGORITHMS (docs/topology.md section 4)
 
 
 @dataclass(frozen=True)
@@ -91,12 +96,15 @@ _RULES = {
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
-    "collectives": {f.name: _FRACTION for f in fields(Collectives)},
+    "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name != "algorithm"},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
 }
 _STRINGS = {"device": ("name",), "network": ("topology",)}
+# Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
+# dataclass default applies.
+_CHOICES = {"collectives": {"algorithm": ALGORITHMS}}
 _TOPOLOGIES = ("fat-tree",)
 
 
@@ -138,6 +146,14 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
             if not isinstance(raw.get(key), str):
                 raise PerfsimError(f"{where}: {section}.{key} must be a string")
             values[key] = raw[key]
+        for key, allowed in _CHOICES.get(section, {}).items():
+            if key in raw:
+                if not isinstance(raw[key], str) or raw[key] not in allowed:
+                    got = repr(raw[key]) if isinstance(raw[key], str) else (
+                        "a table" if isinstance(raw[key], dict) else f"{raw[key]!r}")
+                    raise PerfsimError(f"{where}: {section}.{key} must be a plain string, one of "
+                                       f"{', '.join(allowed)}; got {got}")
+                values[key] = raw[key]
         for key, rule in rules.items():
             if key not in raw:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
