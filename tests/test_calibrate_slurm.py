@@ -71,3 +71,16 @@ def test_emit_slurm_rejects_other_devices_and_bad_times(run_cli, tmp_path, monke
     assert r.code == 2 and "SMNG-P2 (XPU)" in r.err
     r = run_cli("calibrate", "--emit-slurm", "j.sbatch", "--nodes", "2", "--time", "90 minutes")
     assert r.code == 2 and "Slurm time" in r.err
+
+
+def test_emit_slurm_and_fit_never_import_torch(tmp_path):
+    """perfsim imports torch only in the commands that measure: writing the job script and
+    fitting a ledger work on a login node without it."""
+    import sys
+
+    code = ("import sys; from perfsim import cli; "
+            "assert cli.main(['calibrate', '--emit-slurm', 'j.sbatch', '--nodes', '2']) == 0; "
+            "assert cli.main(['calibrate', '--fit', 'none.jsonl', '--system', 'smng-p2']) == 2; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
