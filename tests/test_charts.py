@@ -82,6 +82,23 @@ def test_whatif_at_1x_picks_the_search_best_and_moves_sensibly(case):
         assert b is None or b.memory_bytes <= system.device.memory_bytes * m
 
 
+def test_device_knobs_in_one_call_equal_one_call_per_setting(case):
+    from perfsim.charts import whatif
+    from perfsim.charts.space import evaluate_pool, plan_pool
+
+    model, system, devices = case
+    groups, _ = plan_pool(model, system, devices, GBS, FIXES, keep=50)
+    for knob in whatif.DEVICE_KNOBS:
+        stacked = whatif._evaluate_device_knob(model, system, groups, knob, [0.5, 3.0], "bf16")
+        for m, results in zip((0.5, 3.0), stacked):
+            one = evaluate_pool(model, whatif.scaled_system(system, **{knob: m}), groups)
+            for a, b in zip(one, results):
+                assert np.array_equal(np.broadcast_to(a["tokens_per_s"], b["tokens_per_s"].shape), b["tokens_per_s"])
+                for term, value in a["time_breakdown_s"].items():
+                    assert np.allclose(np.broadcast_to(value, b["time_breakdown_s"][term].shape),
+                                       b["time_breakdown_s"][term], rtol=0, atol=0)
+
+
 def test_whatif_on_the_builtin_case_agrees_with_search():
     from perfsim.charts import whatif
 

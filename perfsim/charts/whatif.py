@@ -94,6 +94,9 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
     best = {k: [] for k in knobs}
     baseline = {k: [] for k in knobs}
     for knob in knobs:
+        moved = [m for m in multipliers if m != 1.0]
+        if knob in DEVICE_KNOBS:
+            scenarios = dict(zip(moved, _evaluate_device_knob(model, system, fit_groups, knob, moved, dtype)))
         for m in multipliers:
             if m == 1.0:
                 best[knob].append(one)
@@ -103,12 +106,43 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
                 best[knob].append(None if where is None else pick(groups, results, *where))
                 baseline[knob].append(one if one.memory_bytes <= capacity * m else None)
             else:
-                r = evaluate_pool(model, scaled_system(system, **{knob: m}), fit_groups, dtype)
+                r = scenarios[m] if knob in DEVICE_KNOBS else \
+                    evaluate_pool(model, scaled_system(system, **{knob: m}), fit_groups, dtype)
                 where = best_index(r)
                 best[knob].append(None if where is None else pick(fit_groups, r, *where))
                 baseline[knob].append(pick(fit_groups, r, *fit_home))
     pool_size = sum(len(cols["tp"]) for _, _, cols in groups)
     return WhatIf(tuple(multipliers), best, baseline, pool_size, counts, keep)
+
+
+# Knobs that change only the device's numbers: every cost function takes them as numbers in
+# broadcasting arithmetic, so all their settings evaluate in one call, one row per plan and
+# setting (the link numbers key the topology model's caches and must stay plain numbers).
+DEVICE_KNOBS = {"flops": ("peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"), "hbm": ("memory_bandwidth_Bps",)}
+
+
+def _slice(r, n: int, total: int, k: int):
+    if isinstance(r, dict):
+        return {key: _slice(v, n, total, k) for key, v in r.items()}
+    return np.broadcast_to(np.asarray(r), (total,))[k * n:(k + 1) * n]
+
+
+def _evaluate_device_knob(model, system: System, groups: list, knob: str, moved: list, dtype: str) -> list:
+    """evaluate_pool on the system with `knob` at each multiplier of `moved`, in one vectorised
+    evaluation per group: the plans repeated once per multiplier, the device's numbers arrays."""
+    from perfsim.predict import evaluate
+    from perfsim.charts.space import to_columns
+
+    out = [[] for _ in moved]
+    for mode, order, cols in groups:
+        n, K = len(cols["tp"]), len(moved)
+        factor = np.repeat(np.asarray(moved, float), n)
+        device = dataclasses.replace(system.device, **{f: getattr(system.device, f) * factor for f in DEVICE_KNOBS[knob]})
+        r = evaluate(model, dataclasses.replace(system, device=device),
+                     to_columns(mode, order, {k: np.tile(v, K) for k, v in cols.items()}), dtype)
+        for k in range(K):
+            out[k].append(_slice(r, n, n * K, k))
+    return out
 
 
 def _text(knob: str, m: float, b, one, capacity: float) -> str:
