@@ -191,7 +191,8 @@ def test_gpipe_is_the_flow_shop_for_any_end_stages(p, m, f, b, first, last):
 
 def test_stage_phases_split_the_stage_times_exactly():
     model = load_model("gpt3-175b")
-    for plan in (Plan(tp=8, pp=16, mbs=3, gbs=300, zero=1, recompute="full"), Plan(tp=4, tp_mode="2d", pp=4, mbs=4, gbs=8),
+    for plan in (Plan(tp=8, pp=16, mbs=3, gbs=300, zero=1, recompute="full"),
+                 Plan(tp=4, tp_mode="2d", pp=4, mbs=4, gbs=8),
                  Plan(tp=8, sp=True, pp=1, mbs=1, gbs=2, recompute="selective")):
         c = columns_of(plan)
         peak = SMNG.device.peak_flops_bf16

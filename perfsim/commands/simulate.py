@@ -97,11 +97,13 @@ def format_simulation(sim, notes: dict | None = None) -> str:
     stages_on_path = len({run["stage"] for run in path["runs"]})
     kinds = ", ".join(f"{k} {v:.3g} s" for k, v in sorted(path["by_kind_s"].items(), key=lambda kv: -kv[1]))
     lines += ["", f"critical path: {len(path['runs'])} runs over {stages_on_path} stages; {kinds}"]
-    for run in path["runs"][:3] + (["..."] if len(path["runs"]) > 6 else []) + path["runs"][max(3, len(path["runs"]) - 3):]:
+    runs = path["runs"]
+    for run in runs[:3] + (["..."] if len(runs) > 6 else []) + runs[max(3, len(runs) - 3):]:
         if run == "...":
             lines.append("  ...")
             continue
-        lines.append(f"  stage {run['stage']:<4} {run['start_s']:10.4f} s -> {run['end_s']:10.4f} s  ({run['tasks']} tasks)")
+        lines.append(f"  stage {run['stage']:<4} {run['start_s']:10.4f} s -> {run['end_s']:10.4f} s  "
+                     f"({run['tasks']} tasks)")
     for path_, note in (notes or {}).items():
         lines.append(f"wrote {path_}" + (f" ({note})" if note else ""))
     lines.append(f"simulated {r.tasks:,} tasks in {r.wall_s:.2f} s")

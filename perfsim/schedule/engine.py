@@ -66,6 +66,29 @@ class Graph:
         self.npred.append(n)
         return t
 
+    def after(self, prev: int, work: float, links=None, cls: int = 0, tail: float = 0.0) -> int:
+        """`add` for the common case of one dependency (`prev`, ignored when negative)."""
+        t = len(self.work)
+        if links is None:
+            self.work.append(work + tail)
+            self.tail.append(0.0)
+        else:
+            self.work.append(work)
+            self.tail.append(tail)
+        self.succ.append(None)
+        self.links.append(links)
+        self.cls.append(cls)
+        if prev >= 0:
+            s = self.succ[prev]
+            if s is None:
+                self.succ[prev] = [t]
+            else:
+                s.append(t)
+            self.npred.append(1)
+        else:
+            self.npred.append(0)
+        return t
+
     def depend(self, task: int, on: int) -> None:
         """`task` also waits for `on` to finish."""
         s = self.succ[on]
@@ -95,42 +118,51 @@ def run(graph: Graph):
     # transfers in flight: per link, the active transfers and how many of each class
     on_link: dict = {}
     classes: dict = {}
-    rate: dict = {}
-    left: dict = {}
-    stamp: dict = {}
-    version: dict = {}
+    rate = [1.0] * n
+    left = [0.0] * n
+    stamp = [0.0] * n
+    version = [0] * n
 
     def reschedule(x, now):
         nonlocal seq
-        k = max(len(classes[r]) for r in links[x])
+        k = 1
+        for r in links[x]:
+            if len(classes[r]) > k:
+                k = len(classes[r])
         rate[x] = 1.0 / k
-        version[x] = version.get(x, 0) + 1
+        version[x] += 1
         seq += 1
         push(heap, (now + left[x] * k, seq, FINISH, x, version[x]))
 
-    def progress(x, now):
-        left[x] = max(left[x] - rate[x] * (now - stamp[x]), 0.0)
-        stamp[x] = now
+    def slow_down(others, now):
+        """Transfers whose links gained or lost a class: account their progress, then re-time them."""
+        for x in others:
+            left[x] = max(left[x] - rate[x] * (now - stamp[x]), 0.0)
+            stamp[x] = now
+        for x in others:
+            reschedule(x, now)
 
     def transfer(t, now):
-        changed = set()
+        changed = None
         c = cls[t]
         for r in links[t]:
             counts = classes.get(r)
             if counts is None:
                 counts = classes[r] = {}
                 on_link[r] = set()
-            if c not in counts:
-                changed.update(on_link[r])
+            n_c = counts.get(c)
+            if n_c is None:
+                if counts:  # other classes on this link: they now share it with one more
+                    if changed is None:
+                        changed = set()
+                    changed.update(on_link[r])
                 counts[c] = 1
             else:
-                counts[c] += 1
+                counts[c] = n_c + 1
             on_link[r].add(t)
-        for x in changed:
-            progress(x, now)
+        if changed:
+            slow_down(changed, now)
         left[t], stamp[t] = tail[t], now
-        for x in changed:
-            reschedule(x, now)
         reschedule(t, now)
 
     def begin(t, now, via):
@@ -172,21 +204,23 @@ def run(graph: Graph):
         ls = links[t]
         if ls is not None:
             if extra != version[t]:
-                continue  # rescheduled since
-            changed = set()
+                continue  # re-timed since
+            changed = None
             c = cls[t]
             for r in ls:
                 on_link[r].discard(t)
                 counts = classes[r]
-                counts[c] -= 1
-                if counts[c] == 0:
+                n_c = counts[c] - 1
+                if n_c:
+                    counts[c] = n_c
+                else:
                     del counts[c]
-                    changed.update(on_link[r])
-            for x in changed:
-                progress(x, now)
-            for x in changed:
-                reschedule(x, now)
-            del left[t], stamp[t], rate[t]
+                    if counts:  # the other classes on this link get a larger share
+                        if changed is None:
+                            changed = set()
+                        changed.update(on_link[r])
+            if changed:
+                slow_down(changed, now)
         end[t] = now
         waiting = succ[t]
         if waiting is not None:

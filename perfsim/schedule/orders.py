@@ -60,7 +60,8 @@ def _zb_h1(order: list, stage: int, m: int) -> list:
 
 def _interleaved(stage: int, p: int, m: int, v: int) -> list:
     if p < 2 or v < 2 or m % p:
-        raise ValueError(f"the interleaved schedule needs p >= 2, v >= 2 and m a multiple of p; got p={p}, v={v}, m={m}")
+        raise ValueError(f"the interleaved schedule needs p >= 2, v >= 2 and m a multiple of p; "
+                         f"got p={p}, v={v}, m={m}")
     total = m * v
 
     def pass_of(k: int, forward: bool):

@@ -20,6 +20,7 @@ that tests can hand the simulator stage times of their own.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -138,13 +139,12 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         if zero <= 1:
             costs.reduction_rest = per(lambda k: reduction(params[k] * (1 - o))[0] if o < 1 else 0.0)
             costs.reduction_bucket = per(lambda k: reduction(chunk[k] * o / layers_per_chunk)[0] if o > 0 else 0.0)
+        scatter = lambda n: zero_microbatch_times(system, comm, c, n)[0]  # noqa: E731
         if zero == 2:
-            costs.scatter_rest = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] * (1 - o))[0]
-                                     if o < 1 else 0.0)
-            costs.scatter_bucket = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] * o / layers_per_chunk)[0]
-                                       if o > 0 else 0.0)
+            costs.scatter_rest = per(lambda k: scatter(chunk[k] * (1 - o)) if o < 1 else 0.0)
+            costs.scatter_bucket = per(lambda k: scatter(chunk[k] * o / layers_per_chunk) if o > 0 else 0.0)
         if zero == 3:
-            costs.scatter_bucket = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k] / layers_per_chunk)[0])
+            costs.scatter_bucket = per(lambda k: scatter(chunk[k] / layers_per_chunk))
             costs.gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k])[1])
         if zero in (1, 2):
             costs.post_gather = per(lambda k: reduction(params[k])[1])
@@ -222,23 +222,12 @@ class _Builder:
         return (2 * nic[stage], 2 * nic[peer] + 1)
 
 
-@dataclass(frozen=True)
-class _Pass:
-    """How one (kind, chunk) pass of one stage runs, the same for every micro-batch: its segments
-    on the compute stream (with its TP collectives and its blocking send, unless those are
-    transfers of their own), the work before the send, the send as a shared-link transfer (tail,
-    links) when it crosses nodes, a cross-node TP collective's time, and where the send goes."""
-    segments: tuple
-    work: float
-    tail: float = 0.0
-    links: tuple | None = None
-    cls: int = 0
-    split_tp: float = 0.0
-    target: tuple | None = None
-    receives: bool = False
-
-
 def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
+    """How each (kind, chunk) pass of stage i runs, the same for every micro-batch, as a tuple:
+    (segments on the compute stream: compute, TP collectives and the blocking send unless those are
+    transfers of their own; the work before the send; the send as a shared-link transfer: tail,
+    links, class, when it crosses nodes; a cross-node TP collective's time, which is then a transfer
+    of its own; where the send goes; whether the pass waits for data from another stage)."""
     p, v = k.p, k.v
 
     def part(values: dict, chunk: int) -> float:
@@ -278,7 +267,7 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
                     work += k.hop_s
             split_tp = (tp_f if kind == F else tp_b if kind == B else 0.0) if split else 0.0
             source = None if kind == W else (_forward_source if kind == F else _backward_source)(i, chunk, p, v)
-            out[(kind, chunk)] = _Pass(segments, work, tail, links, cls, split_tp, target, source is not None)
+            out[(kind, chunk)] = (segments, work, tail, links, cls, split_tp, target, source is not None)
     return out
 
 
@@ -299,6 +288,7 @@ def build(costs: StepCosts):
     sends = {}      # (kind, micro-batch, receiving stage, its chunk) -> task the receiver waits for
     receives = []   # (receiving pass, key into sends)
     zero3 = k.zero == 3 and k.dp > 1
+    after = b.g.after
     for i in range(p):
         pos = _position(i, p)
         dp_links = b.links(i) if k.dp_cross[i] else None
@@ -314,11 +304,11 @@ def build(costs: StepCosts):
         gather_for = [None if kind == W else k.gather[pos] * (2 if kind == B and k.recompute_full else 1)
                       for kind, _, _ in order] if zero3 else None
 
-        def gather(index, after):
+        def gather(index, after_task):
             t = b.task(i, ((DP, gather_for[index]),), ("gather",) + order[index], links=dp_links, cls=DP_TRAFFIC,
                        stream="side")
-            if after >= 0:
-                b.g.after_start(t, after, 0.0)
+            if after_task >= 0:
+                b.g.after_start(t, after_task, 0.0)
             return t
 
         pending = {}
@@ -326,32 +316,44 @@ def build(costs: StepCosts):
             first = next((n for n, x in enumerate(gather_for) if x is not None), None)
             if first is not None:
                 pending[first] = gather(first, -1)
-        for index, (kind, j, chunk) in enumerate(order):
-            x = templates[(kind, chunk)]
-            task = add(x.work, (main_last[i], pending.pop(index)) if index in pending else (main_last[i],),
-                       x.links, x.cls, x.tail)
-            main_last[i] = task
+        dp_work = k.dp > 1
+        last = main_last[i]
+        for index, entry in enumerate(order):
+            kind, j, chunk = entry
+            segments, work, tail, links, cls, split_tp, target, receives_data = templates[kind, chunk]
+            if index in pending:
+                task = add(work, (last, pending.pop(index)), links, cls, tail)
+            else:
+                task = after(last, work, links, cls, tail)
+            last = task
             main_i.append(task)
-            meta.append((i, x.segments, (kind, j, chunk)))
-            if zero3:
-                later = next((n for n in range(index + 1, len(order)) if gather_for[n] is not None), None)
-                if later is not None and later not in pending:
-                    pending[later] = gather(later, task)
-            if x.receives:
+            meta.append((i, segments, entry))
+            if receives_data:
                 receives.append((task, (kind, j, i, chunk)))
-            if x.split_tp > 0:  # the TP collective and the send as transfers of their own
-                b.task(i, ((TP, x.split_tp),), ("tp", kind, j, chunk), links=b.links(i), cls=TP_TRAFFIC, work=0.0,
-                       tail=x.split_tp)
-                if x.target is not None and k.hop_s > 0:
-                    cross = k.pp_cross[i] if kind == F else k.pp_cross[(i - 1) % p]
-                    b.task(i, hop, ("send", kind, j, chunk), links=b.links(i, x.target[0]) if cross else None,
-                           cls=PP_FORWARD if kind == F else PP_BACKWARD, work=0.0, tail=k.hop_s)
-            if x.target is not None:
-                sends[(kind, j, x.target[0], x.target[1])] = main_last[i]
-            if kind == grad_kind and k.dp > 1:
-                _reduce(b, k, i, pos, chunk, task, x.segments, index == last_grad.get(chunk), dp_links, nb)
+            if zero3 or split_tp > 0 or (dp_work and kind == grad_kind):  # the rarer tasks use b.task
+                main_last[i] = last
+                if zero3:
+                    later = next((n for n in range(index + 1, len(order)) if gather_for[n] is not None), None)
+                    if later is not None and later not in pending:
+                        pending[later] = gather(later, task)
+                if split_tp > 0:  # the TP collective and the send as transfers of their own
+                    b.task(i, ((TP, split_tp),), ("tp", kind, j, chunk), links=b.links(i), cls=TP_TRAFFIC, work=0.0,
+                           tail=split_tp)
+                    if target is not None and k.hop_s > 0:
+                        cross = k.pp_cross[i] if kind == F else k.pp_cross[(i - 1) % p]
+                        b.task(i, hop, ("send", kind, j, chunk), links=b.links(i, target[0]) if cross else None,
+                               cls=PP_FORWARD if kind == F else PP_BACKWARD, work=0.0, tail=k.hop_s)
+                if target is not None:
+                    sends[(kind, j, target[0], target[1])] = main_last[i]
+                if dp_work and kind == grad_kind:
+                    _reduce(b, k, i, pos, chunk, task, segments, index == last_grad.get(chunk), dp_links, nb)
+                last = main_last[i]
+            elif target is not None:
+                sends[(kind, j, target[0], target[1])] = last
+        main_last[i] = last
+    depend = b.g.depend
     for consumer, key in receives:
-        b.g.depend(consumer, sends[key])
+        depend(consumer, sends[key])
     _finish(b, k)
     return b
 
@@ -486,8 +488,14 @@ class SimResult:
 def run_step(costs: StepCosts) -> SimResult:
     """Build and run the step; summarise it."""
     clock = time.perf_counter()
-    b = build(costs)
-    start, end, cause = engine.run(b.g)
+    collecting = gc.isenabled()
+    gc.disable()  # hundreds of thousands of small tuples and lists, none of them cyclic garbage
+    try:
+        b = build(costs)
+        start, end, cause = engine.run(b.g)
+    finally:
+        if collecting:
+            gc.enable()
     step = max(end)
     stages = [_stage_summary(b, start, end, i, step) for i in range(costs.p)]
     reference = max(range(costs.p), key=lambda i: (stages[i]["busy_s"], -i))
