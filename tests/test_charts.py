@@ -99,6 +99,23 @@ def test_device_knobs_in_one_call_equal_one_call_per_setting(case):
                                        b["time_breakdown_s"][term], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model_name, nodes, gbs", [(MODEL, NODES, GBS), ("smng-p2-3.6b", 1, 32)])
+def test_whatif_skipping_groups_changes_nothing(model_name, nodes, gbs):
+    from perfsim.charts import whatif
+
+    model, system = load_model(model_name), load_system(SYSTEM)
+    fixes = {"order": {"tp-dp-pp", "dp-tp-pp"}}
+    args = (model, system, nodes * system.node.devices_per_node, gbs, fixes)
+    mults = (0.25, 0.5, 1.0, 1.5, 4.0)
+    fast = whatif.precompute(*args, multipliers=mults, prune=True)
+    full = whatif.precompute(*args, multipliers=mults, prune=False)
+    for table in ("best", "baseline"):
+        for knob in whatif.KNOBS:
+            a = [(b.plan, b.tokens_per_s, b.breakdown_s) if b else None for b in getattr(fast, table)[knob]]
+            b = [(b.plan, b.tokens_per_s, b.breakdown_s) if b else None for b in getattr(full, table)[knob]]
+            assert a == b, (table, knob)
+
+
 def test_whatif_on_the_builtin_case_agrees_with_search():
     from perfsim.charts import whatif
 

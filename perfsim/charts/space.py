@@ -170,6 +170,8 @@ def best_index(results: list, capacity: float | None = None) -> tuple | None:
     evaluated system's device memory), or None when none fits."""
     best = None
     for g, r in enumerate(results):
+        if r is None:  # a group not evaluated
+            continue
         speed = np.asarray(r["tokens_per_s"], float).reshape(-1)
         fits = _fits(r, capacity)
         if fits.any():

@@ -71,9 +71,11 @@ class WhatIf:
 
 
 def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
-               keep: int = 1000, multipliers=MULTIPLIERS, knobs=tuple(KNOBS), pooled: tuple | None = None) -> WhatIf:
+               keep: int = 1000, multipliers=MULTIPLIERS, knobs=tuple(KNOBS), pooled: tuple | None = None,
+               prune: bool = True) -> WhatIf:
     """The scenarios. `pooled`: (groups, counts) of a PlanPool filled by a sweep already run (the
-    report shares one sweep between charts); by default the sweep runs here."""
+    report shares one sweep between charts); by default the sweep runs here. `prune`: skip the
+    groups of plans that cannot be fastest (see _scenarios); False evaluates every kept plan."""
     if 1.0 not in multipliers:
         raise PerfsimError("the multipliers must include 1 (the profile as it is)")
     if keep < 1:
@@ -90,13 +92,15 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
     # plans that do not fit at 1x cannot win (the `keep` fastest that fit are evaluated again), and
     # for memory nothing needs evaluating again (the whole pool, Pareto front included, is ranked).
     fit_groups = fastest_fitting(groups, results, keep)
-    fit_home = best_index(evaluate_pool(model, system, fit_groups, dtype))
+    fit_results = evaluate_pool(model, system, fit_groups, dtype)
+    fit_home = best_index(fit_results)
+    fastest = [float(np.min(np.asarray(r["step_time_s"], float))) for r in fit_results]
     best = {k: [] for k in knobs}
     baseline = {k: [] for k in knobs}
     for knob in knobs:
         moved = [m for m in multipliers if m != 1.0]
-        if knob in DEVICE_KNOBS:
-            scenarios = dict(zip(moved, _evaluate_device_knob(model, system, fit_groups, knob, moved, dtype)))
+        if knob != "memory":
+            scenarios = _scenarios(model, system, fit_groups, fastest, fit_home[0], knob, moved, dtype, prune)
         for m in multipliers:
             if m == 1.0:
                 best[knob].append(one)
@@ -106,8 +110,7 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
                 best[knob].append(None if where is None else pick(groups, results, *where))
                 baseline[knob].append(one if one.memory_bytes <= capacity * m else None)
             else:
-                r = scenarios[m] if knob in DEVICE_KNOBS else \
-                    evaluate_pool(model, scaled_system(system, **{knob: m}), fit_groups, dtype)
+                r = scenarios[m]
                 where = best_index(r)
                 best[knob].append(None if where is None else pick(fit_groups, r, *where))
                 baseline[knob].append(pick(fit_groups, r, *fit_home))
@@ -119,6 +122,47 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
 # broadcasting arithmetic, so all their settings evaluate in one call, one row per plan and
 # setting (the link numbers key the topology model's caches and must stay plain numbers).
 DEVICE_KNOBS = {"flops": ("peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"), "hbm": ("memory_bandwidth_Bps",)}
+
+
+def gain(knob: str, m: float) -> float:
+    """How much faster the hardware gets: m for bandwidths and FLOP/s, 1/m for latency."""
+    return 1.0 / m if knob == "latency" else m
+
+
+def _scenarios(model, system: System, groups: list, fastest: list, home: int, knob: str, moved: list, dtype: str,
+               prune: bool = True) -> dict:
+    """multiplier -> results per group (None where a group was skipped) with `knob` at that
+    multiplier.
+
+    Skipping: every time in the model is a sum, maximum or minimum of terms that are either fixed
+    or inversely proportional to one bandwidth or FLOP rate (or proportional to a latency), so
+    hardware g times faster makes no step time longer and none shorter than 1/g of what it was,
+    and slower hardware makes none shorter. A group whose fastest plan at 1x, divided by the gain
+    (when above 1), is already slower than the best found on the new hardware cannot hold the
+    best; groups go fastest first, the one holding the 1x best first of all, so once one is
+    skipped for every multiplier all later ones are. tests/test_charts.py checks skipping changes
+    nothing."""
+    from perfsim.charts.space import to_columns
+    from perfsim.predict import evaluate
+
+    order = [home] + sorted((g for g in range(len(groups)) if g != home), key=lambda g: fastest[g])
+    out = {m: [None] * len(groups) for m in moved}
+    best = {m: np.inf for m in moved}
+    for g in order:
+        need = [m for m in moved if g == home or not prune or fastest[g] / max(gain(knob, m), 1.0) < best[m]]
+        if not need:
+            break
+        if knob in DEVICE_KNOBS:
+            found = dict(zip(need, (r[0] for r in _evaluate_device_knob(model, system, [groups[g]], knob, need, dtype))))
+        else:
+            found = {m: evaluate(model, scaled_system(system, **{knob: m}), to_columns(*groups[g]), dtype) for m in need}
+        for m, r in found.items():
+            out[m][g] = r
+            step = np.broadcast_to(np.asarray(r["step_time_s"], float), np.shape(groups[g][2]["tp"]))
+            fits = np.broadcast_to(np.asarray(r["fits"], bool), step.shape)
+            if fits.any():
+                best[m] = min(best[m], float(step[fits].min()))
+    return out
 
 
 def _slice(r, n: int, total: int, k: int):
