@@ -8,6 +8,7 @@ Strings that change the formulas themselves (tp_mode, order) are fixed per batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class Columns:
     def microbatches(self):
         return self.gbs // (self.mbs * self.dp)
 
-    @property
+    @cached_property
     def strides(self) -> dict:
         return group_strides(self.order, {"tp": self.tp, "dp": self.dp, "pp": self.pp})
 

@@ -239,10 +239,10 @@ def collective_time(comm, x: Collective, group_size, stride):
 
 
 def collectives_time(comm, layout: Layout, collectives: list, tp_stride):
+    groups = {axis: (size, stride * tp_stride) for axis, (size, stride) in layout.axes.items()}
     total = 0.0
     for x in collectives:
-        size, stride = layout.axes[x.axis]
-        total = total + x.count * collective_time(comm, x, size, stride * tp_stride)
+        total = total + x.count * collective_time(comm, x, *groups[x.axis])
     return total
 
 

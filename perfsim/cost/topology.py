@@ -28,6 +28,7 @@ pay networkx's import time.
 from __future__ import annotations
 
 import heapq
+import weakref
 import math
 from dataclasses import dataclass
 
@@ -52,12 +53,41 @@ INF = math.inf
 _ROUTES: dict = {}
 _PYTHON_PATTERN_LIMIT = 1024  # node_patterns: device slots below which plain Python beats numpy
 _SHAPES: dict = {}
+_LINES: dict = {}
 
 
 def clear_caches():
-    """Forget every cached route and shape (benchmarks use it to time a cold start)."""
+    """Forget every cached route, shape and time line (benchmarks use it to time a cold start)."""
     _ROUTES.clear()
     _SHAPES.clear()
+    _LINES.clear()
+
+
+def _distinct_pairs(g: np.ndarray, s: np.ndarray):
+    """The distinct (g, s) rows and each row's index among them. Group sizes and strides are small
+    integers, so a dense table finds them in linear time (a search passes millions of rows);
+    np.unique's sort is the fallback for huge machines."""
+    span = int(s.max()) + 1
+    key = g * span + s
+    if int(key.max()) < 1 << 24:
+        counts = np.bincount(key)
+        present = np.flatnonzero(counts)
+        lookup = np.zeros(len(counts), dtype=np.int64)
+        lookup[present] = np.arange(len(present))
+        return np.stack([present // span, present % span], axis=1), lookup[key]
+    pairs, inverse = np.unique(np.stack([g, s], axis=1), axis=0, return_inverse=True)
+    return pairs, inverse.reshape(-1)
+
+
+def _lower_envelope(lines) -> np.ndarray:
+    """The lines (a, b) that are the minimum somewhere on n >= 0, as an array; the others can
+    never be the fastest and are dropped so that evaluating the minimum stays cheap."""
+    rows = sorted(set((float(a), float(b)) for a, b in lines), key=lambda ab: (ab[1], ab[0]))
+    kept = []
+    for a, b in rows:  # by rising offset: a line survives only if it is steeper-no-more than all kept
+        if all(a < ka for ka, _ in kept):
+            kept.append((a, b))
+    return np.array(kept)
 
 
 def default_card_topology(system: System) -> str:
@@ -278,6 +308,8 @@ class TopologyCommModel:
         self._paths = _ROUTES.setdefault(machine, {})
         efficiencies = (eff.card_efficiency, eff.node_efficiency, eff.network_efficiency)
         self._shapes = _SHAPES.setdefault(machine + efficiencies, {})
+        self._line_cache = _LINES.setdefault(machine + efficiencies + (self.algorithm_rule,), {})
+        self._groupings: dict = {}
 
     # --- routing on the two-node graph: node 0 is studied, node 1 stands for "another node" ---
     def _graph(self):
@@ -581,13 +613,60 @@ class TopologyCommModel:
 
     def _time(self, op, n, g, s):
         """Time of the fastest allowed algorithm for `op` on n bytes (elementwise) over (g, s)."""
+        lines = self._lines(op, g, s)
+        return np.min(np.asarray(n, float)[..., None] * lines[:, 0] + lines[:, 1], axis=-1)
+
+    def _lines(self, op, g, s) -> np.ndarray:
+        """`op`'s time over (g, s) as the lower envelope of lines: rows (seconds per byte, seconds),
+        time(n) = min over rows of a n + b. Every algorithm of `_options` is linear in n, and a
+        hierarchical one is a sum of such minima, itself the minimum of the sums of their lines;
+        cached per shape, so a search's millions of calls cost one gather and one minimum."""
+        key = (op, int(g), max(int(s), 1))
+        cached = self._line_cache.get(key)
+        if cached is not None:
+            return cached
+        g, s = key[1], key[2]
         if g <= 1:
-            return np.zeros_like(n)
-        options = self._options(op, n, g, s)
-        t = options[0][0]
-        for other, _ in options[1:]:
-            t = np.minimum(t, other)
-        return t
+            lines = np.zeros((1, 2))
+        else:
+            lines = _lower_envelope(self._option_lines(op, g, s))
+        self._line_cache[key] = lines
+        return lines
+
+    def _option_lines(self, op, g, s) -> list:
+        """The lines of every algorithm `_options` offers, in the same order and under the same rule."""
+        rule = self.algorithm_rule
+        if op == BROADCAST:
+            r = self.ring(g, s, wrap=False)
+            chain = [(1 / r.bandwidth_Bps, (g - 1) * r.latency_s)]
+            if rule not in (AUTO, TREE):
+                return chain
+            t = self.tree(g, s, BROADCAST)
+            tree = [(0.5 / t.bandwidth_Bps, t.latency_s)]
+            return chain + tree if rule == AUTO else tree
+        k = 2 if op == ALL_REDUCE else 1
+        r = self.ring(g, s)
+        rings = [(k * (g - 1) / g / r.bandwidth_Bps, k * (g - 1) * r.latency_s)]
+        m = self._node_split(g, s)
+        if m:
+            inside, across, whole = self.ring(m, s), self.ring(g // m, m * s), self.ring(g, s)
+            per_byte = max((m - 1) / inside.bandwidth_Bps, 1 / across.bandwidth_Bps) / (m * g)
+            rings.append((k * (g - 1) * per_byte, k * (g - 1) * whole.latency_s))
+        if rule == RING or (rule == TREE and op != ALL_REDUCE):
+            return rings
+        trees = []
+        if op == ALL_REDUCE:
+            t = self.tree(g, s, ALL_REDUCE)
+            trees = [(0.5 / t.bandwidth_Bps, t.latency_s)]
+            if rule == TREE:
+                return trees
+        hierarchical = []
+        for m in self._splits(g, s):  # k local reduce-scatters of n, then op across sub-groups on n/m
+            local, across = self._lines(REDUCE_SCATTER, m, s), self._lines(op, g // m, m * s)
+            hierarchical += [(k * a1 + a2 / m, k * b1 + b2) for a1, b1 in local for a2, b2 in across]
+        if rule == HIERARCHICAL:
+            return hierarchical or rings
+        return rings + trees + hierarchical
 
     def algorithm(self, op: str, nbytes: float, size: int, stride: int) -> str:
         """Which algorithm `op` ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -599,51 +678,75 @@ class TopologyCommModel:
         return min(self._options(op, n, g, s), key=lambda o: float(o[0]))[1]()
 
     # --- the CommModel interface ---
-    def _each_shape(self, fn, nbytes, size, stride, fill=0.0):
-        """fn(nbytes, g, s) for every distinct (g, s) with g > 1; `fill` where g <= 1."""
-        nbytes, size, stride = np.broadcast_arrays(np.asarray(nbytes, float), np.asarray(size), np.asarray(stride))
-        shape = nbytes.shape
-        n, g, s = nbytes.reshape(-1), size.reshape(-1).astype(np.int64), np.maximum(stride.reshape(-1).astype(np.int64), 1)
-        out = np.full(n.shape, fill)
-        if n.size == 1:
-            if g[0] > 1:
-                out[:] = fn(n, int(g[0]), int(s[0]))
-            return out.reshape(shape)
-        pairs, inverse = np.unique(np.stack([g, s], axis=1), axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        for i, (gi, si) in enumerate(pairs):
-            if gi > 1:
-                mask = inverse == i
-                out[mask] = fn(n[mask], int(gi), int(si))
+    def _each_shape(self, lines_of, nbytes, size, stride, fill=0.0):
+        """min over lines_of(g, s) of a n + b, row by row, for every distinct (g, s) with g > 1;
+        `fill` where g <= 1. Rows are matched to their shape's lines by index, not by a loop."""
+        pairs, inverse, group_shape = self._group_shapes(size, stride)
+        nbytes = np.asarray(nbytes, float)
+        shape = np.broadcast_shapes(nbytes.shape, group_shape)
+        if shape != group_shape:  # more sizes than groups: spread the groups' indices over them
+            inverse = np.broadcast_to(inverse.reshape(group_shape), shape).reshape(-1)
+        n = np.broadcast_to(nbytes, shape).reshape(-1)
+        tables = [lines_of(int(gi), int(si)) if gi > 1 else np.array([[0.0, fill]]) for gi, si in pairs]
+        width = max(len(t) for t in tables)
+        slope, offset = np.zeros((len(tables), width)), np.full((len(tables), width), INF)
+        for i, t in enumerate(tables):
+            slope[i, :len(t)], offset[i, :len(t)] = t[:, 0], t[:, 1]
+        if width == 1:
+            out = slope[inverse, 0] * n + offset[inverse, 0]
+        else:
+            out = np.min(slope[inverse] * n[:, None] + offset[inverse], axis=1)
         return out.reshape(shape)
+
+    def _group_shapes(self, size, stride):
+        """(distinct (g, s) pairs, each entry's index among them, shape) of size and stride arrays
+        broadcast together. A plan batch passes the same arrays to dozens of collectives, so the
+        answer is remembered per pair of array objects while they live."""
+        if np.ndim(size) == 0 and np.ndim(stride) == 0:
+            return np.array([[int(size), max(int(stride), 1)]]), np.zeros(1, dtype=np.int64), ()
+        key = (id(size), id(stride))
+        hit = self._groupings.get(key)
+        if hit is not None and hit[0]() is size and hit[1]() is stride:
+            return hit[2:]
+        size_b, stride_b = np.broadcast_arrays(np.asarray(size), np.asarray(stride))
+        g = size_b.reshape(-1).astype(np.int64)
+        s = np.maximum(stride_b.reshape(-1).astype(np.int64), 1)
+        pairs, inverse = _distinct_pairs(g, s)
+        try:
+            refs = (weakref.ref(size), weakref.ref(stride))
+        except TypeError:  # plain numbers or lists: nothing to remember them by
+            return pairs, inverse, size_b.shape
+        self._groupings = {k: v for k, v in self._groupings.items() if v[0]() is not None and v[1]() is not None}
+        self._groupings[key] = refs + (pairs, inverse, size_b.shape)
+        return pairs, inverse, size_b.shape
 
     def link(self, size, stride):
         """(bandwidth in bytes/s, latency in s) of one step of the flat ring, all groups busy
         (efficiency applied; infinite bandwidth and zero latency for a group of one)."""
-        bw = self._each_shape(lambda n, g, s: self.ring(g, s).bandwidth_Bps, 0.0, size, stride, fill=INF)
-        lat = self._each_shape(lambda n, g, s: self.ring(g, s).latency_s, 0.0, size, stride)
+        bw = self._each_shape(lambda g, s: np.array([[0.0, self.ring(g, s).bandwidth_Bps]]), 0.0, size, stride, fill=INF)
+        lat = self._each_shape(lambda g, s: np.array([[0.0, self.ring(g, s).latency_s]]), 0.0, size, stride)
         return bw, lat
 
     def all_reduce(self, nbytes, size, stride):
-        return self._each_shape(lambda n, g, s: self._time(ALL_REDUCE, n, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._lines(ALL_REDUCE, g, s), nbytes, size, stride)
 
     def all_gather(self, nbytes, size, stride):
         """n is the full (gathered) tensor's bytes."""
-        return self._each_shape(lambda n, g, s: self._time(REDUCE_SCATTER, n, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._lines(REDUCE_SCATTER, g, s), nbytes, size, stride)
 
     reduce_scatter = all_gather  # the same algorithms, run the other way
 
     def broadcast(self, nbytes, size, stride):
         """Broadcast (or reduce) from one member: the pipelined chain in rank order,
         n / B + (g-1) alpha, or the pipelined double binary tree (docs/topology.md section 4)."""
-        return self._each_shape(lambda n, g, s: self._time(BROADCAST, n, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._lines(BROADCAST, g, s), nbytes, size, stride)
 
     reduce = broadcast  # the same flows, reversed: links are full duplex and symmetric
 
     def send(self, nbytes, size, stride):
         """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart
         (pipeline stages), all chains sending at once: n / B + alpha of the slowest hop."""
-        def hop(n, g, s):
+        def hop(g, s):
             r = self.ring(g, s, wrap=False)
-            return n / r.bandwidth_Bps + r.latency_s
+            return np.array([[1 / r.bandwidth_Bps, r.latency_s]])
         return self._each_shape(hop, nbytes, size, stride)
