@@ -275,6 +275,22 @@ def test_trace_and_chart_sample_large_steps(tmp_path):
     assert "of 64 stages" in note and "one bar per task" in note
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5]])
+def test_trace_rows_never_overlap(case):
+    """Perfetto nests complete events on one thread: a row's events must not overlap."""
+    from perfsim.schedule.timeline import chrome_trace
+
+    model, system, plan, schedule = case
+    events = [e for e in chrome_trace(simulate(model, system, plan, schedule=schedule).result)["traceEvents"]
+              if e["ph"] == "X"]
+    rows: dict = {}
+    for e in events:
+        rows.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in rows.values():
+        spans.sort()
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:]))  # microseconds
+
+
 def test_simulate_cli_writes_trace_html_and_json(run_cli, tmp_path):
     trace, html = tmp_path / "step.json", tmp_path / "step.html"
     flags = ["--model", "gpt3-1.3b", "--system", "dgx-a100", "--tp", "2", "--pp", "4", "--dp", "2", "--mbs", "1",

@@ -100,8 +100,9 @@ def chrome_trace(result: SimResult, max_events: int = TRACE_EVENTS) -> dict:
         for t in _stage_tasks(result, i):
             label = result.meta[t][2]
             for kind, s, e in _segments(result, t):
+                ts = round(s * 1e6, 3)  # round both ends, so that abutting segments still abut
                 events.append({"name": _name(label, kind), "cat": kind, "ph": "X", "pid": i,
-                               "tid": LANE_OF[kind], "ts": round(s * 1e6, 3), "dur": round((e - s) * 1e6, 3)})
+                               "tid": LANE_OF[kind], "ts": ts, "dur": round(round(e * 1e6, 3) - ts, 3)})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"step_time_s": result.step_time_s, "schedule": result.schedule,
                           "note": _sample_note(result, stages) or "every stage shown"}}
