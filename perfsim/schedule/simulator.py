@@ -172,19 +172,11 @@ def _place(costs: StepCosts, system: System, c: Columns) -> None:
 # Building the task graph
 
 
-@dataclass
-class Task:
-    """What the timeline shows of a task (the engine only sees numbers)."""
-    stage: int
-    segments: tuple  # ((kind, seconds), ...) in order; a transfer has one
-    label: object    # (pass kind, micro-batch, chunk) or a name
-
-
 class _Builder:
     def __init__(self, costs: StepCosts):
         self.k = costs
         self.g = engine.Graph()
-        self.meta: list = []           # per task: (stage, segments, label)
+        self.meta: list = []  # per task: (stage, segments ((kind, seconds), ...), label); the engine sees numbers
         self.main: list = [[] for _ in range(costs.p)]   # compute-stream tasks per stage, in order
         self.side: list = [[] for _ in range(costs.p)]   # data-parallel-stream tasks per stage
         self._main_last = [-1] * costs.p
