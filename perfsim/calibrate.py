@@ -409,6 +409,14 @@ def _fit_links(system, fit, classes):
     return links(x)
 
 
+def _algorithm_rules():
+    try:
+        from perfsim.spec.system import ALGORITHMS
+    except ImportError:  # a perfsim without collectives.algorithm
+        return ()
+    return ALGORITHMS
+
+
 def _collective_fit(records, system, ledger):
     from perfsim.cost.topology import clear_caches
 
@@ -417,7 +425,24 @@ def _collective_fit(records, system, ledger):
     if len(fit) < 2:
         return values, quality, notes, system
     classes = sorted({link_class(system, *r["group"]) for r in fit + held}, key=list(_CLASS_KEYS).index)
-    fitted = _fit_links(system, fit, classes)
+    # The profile's algorithm rule (collectives.algorithm) is fitted too: each rule the model knows,
+    # the base profile's first, is fitted in turn; the one that fits the fitted points best wins.
+    base_rule = getattr(system.collectives, "algorithm", None)
+    rules = [base_rule] + [a for a in _algorithm_rules() if a != base_rule] if base_rule else [None]
+    best, tried = None, []
+    for rule in rules:
+        candidate = _replace(system, collectives={"algorithm": rule}) if rule else system
+        links = _fit_links(candidate, fit, classes)
+        error = mape(collective_times(_with_links(candidate, links), fit), _median(fit))
+        tried.append(f"{rule} {100 * error:.1f}%")
+        if best is None or error < best[0] - 0.005:  # a clear improvement over the base rule
+            best = (error, rule, candidate, links)
+    _, rule, system, fitted = best
+    if len(tried) > 1:
+        notes.append(f"collective algorithm rules, fit MAPE: {', '.join(tried)}; kept {rule}")
+    if rule != base_rule:
+        values["collectives.algorithm"] = Fitted(rule, f"the algorithm rule whose fit matches the {len(fit)} fitted "
+                                                       f"collective points of ledger {ledger} best")
     model = _with_links(system, fitted)
     quality.append(Quality("collectives (profile: one bandwidth and latency per link class)",
                            mape(collective_times(model, fit), _median(fit)), len(fit),
@@ -510,12 +535,15 @@ def _attention_check(records, system):
 
 
 def _apply(system, values: dict):
+    """System with the fitted values in place, their provenance "calibrated"."""
     sections: dict = {}
+    provenance = dict(system.provenance)
     for key, fitted in values.items():
         section, name = key.split(".", 1)
-        value = fitted.value
-        sections.setdefault(section, {})[name] = value
-    return _replace(system, **sections)
+        sections.setdefault(section, {})[name] = fitted.value
+        if key in provenance:
+            provenance[key] = ("calibrated", fitted.source)
+    return dataclasses.replace(_replace(system, **sections), provenance=provenance)
 
 
 def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "min",
@@ -620,6 +648,9 @@ def calibrated_profile(base_path: str, calibration: Calibration, ledger: str, na
     data["name"], data["description"] = name, description
     for key, fitted in calibration.values.items():
         section, item = key.split(".", 1)
+        if isinstance(fitted.value, str):  # a plain-string key (collectives.algorithm): no provenance table
+            data[section][item] = fitted.value
+            continue
         data[section][item] = {"value": float(f"{fitted.value:.6g}"), "provenance": "calibrated",
                                "source": fitted.source}
     parse_system(data, f"calibrated profile from {ledger}")  # refuse to write a profile perfsim cannot load
@@ -647,7 +678,10 @@ def format_report(calibration: Calibration, base) -> str:
     for key, fitted in calibration.values.items():
         section, item = key.split(".", 1)
         old = getattr(getattr(base, section), item)
-        lines.append(f"  {key:<36} {fitted.value:<12.4g} (base {old:.4g})")
+        if isinstance(fitted.value, str):
+            lines.append(f"  {key:<36} {fitted.value:<12} (base {old})")
+        else:
+            lines.append(f"  {key:<36} {fitted.value:<12.4g} (base {old:.4g})")
     lines.append("fit quality, mean absolute percentage error:")
     lines += [f"  {format_quality_row(q)}" for q in calibration.quality]
     if calibration.notes:

@@ -184,3 +184,33 @@ def test_cpu_time_of_compute_points_is_fitted_unless_wall_is_asked():
     assert auto == pytest.approx(0.6, rel=0.05) and wall == pytest.approx(0.3, rel=0.05)
     with pytest.raises(cal.PerfsimError, match="statistic must be"):
         cal.fit(records, base, "x", statistic="max")
+
+
+def test_multi_node_links_and_the_algorithm_rule_are_fitted():
+    """Two SMNG-P2 nodes: card (MDFI), node (Xe Link) and network (InfiniBand) links are fitted
+    each, and a base profile that fixes the wrong algorithm rule gets the measured one."""
+    smng = load_system("smng-p2")
+    truth = dataclasses.replace(smng, node=dataclasses.replace(smng.node, node_link_bandwidth_Bps=5e9,
+                                                                node_link_latency_s=20e-6),
+                                collectives=dataclasses.replace(smng.collectives, algorithm="ring",
+                                                                network_efficiency=0.5))
+    base = dataclasses.replace(smng, collectives=dataclasses.replace(smng.collectives, algorithm="tree"))
+    comm = TopologyCommModel(truth)
+    records = []
+    for (size, stride), op, e in itertools.product([(2, 1), (8, 1), (4, 2), (2, 8)], cal.COLLECTIVE_OPS,
+                                                   range(10, 29, 4)):
+        n = 1 << e
+        records.append({"schema": 1, "key": f"{size}/{stride}/{op}/{n}", "suite": "collective", "op": op,
+                        "dtype": "bf16", "shape": {"nbytes": n}, "group": [size, stride], "nbytes": n,
+                        "device": {"kind": "xpu"}, "stats": {"median_s": float(getattr(comm, op)(float(n), size, stride))}})
+    calibration = cal.fit(records, base, "smng.jsonl")
+    fitted = calibration.system
+    assert calibration.values["collectives.algorithm"].value in ("ring", "auto")
+    assert fitted.node.node_link_bandwidth_Bps * fitted.collectives.node_efficiency == pytest.approx(
+        5e9 * smng.collectives.node_efficiency, rel=0.05)
+    assert fitted.node.node_link_latency_s == pytest.approx(20e-6, rel=0.1)
+    assert fitted.network.nic_bandwidth_Bps * fitted.collectives.network_efficiency == pytest.approx(
+        smng.network.nic_bandwidth_Bps * 0.5, rel=0.05)
+    assert fitted.provenance["collectives.network_efficiency"][0] == "calibrated"
+    row = next(q for q in calibration.quality if q.name.startswith("collectives (profile"))
+    assert row.held_mape < 0.05
