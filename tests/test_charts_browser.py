@@ -129,8 +129,8 @@ def _png_ink(path: str) -> tuple:
 def test_screenshot_of_the_whatif_page_shows_a_chart(pages):
     written, _, folder = pages
     png = os.path.join(folder, "whatif.png")
-    screenshot(written["whatif"], png, str(folder), size=(1400, 1000))
+    screenshot(written["whatif"], png, str(folder), size=(1200, 900))
     assert os.path.getsize(png) > 30_000
     width, height, ink = _png_ink(png)
-    assert (width, height) == (1400, 1000)
+    assert (width, height) == (1200, 900)
     assert 0.03 < ink < 0.6, f"{ink:.1%} of the screenshot is drawn on"
