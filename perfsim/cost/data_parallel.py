@@ -35,13 +35,14 @@ def step_reduction_time(system: System, comm, c: Columns, params):
     return reduction, gather
 
 
-def microbatch_reduction_time(system: System, comm, c: Columns, params, busy):
-    """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter (less the
-    dp_overlap share), ZeRO-3's gathers and reduce-scatter beyond the `busy` compute time."""
+def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward):
+    """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter less the
+    dp_overlap share, which can hide only behind the micro-batch's `backward` time; ZeRO-3's
+    gathers and reduce-scatter beyond the `busy` compute time."""
     stride = c.strides["dp"]
     scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
     gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * comm.all_gather(BF16 * params, c.dp, stride)
-    zero2 = scatter * (1 - system.framework.dp_overlap)
+    zero2 = scatter - np.minimum(system.framework.dp_overlap * scatter, backward)
     zero3 = np.maximum(gathers + scatter - busy, 0.0)
     return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
 

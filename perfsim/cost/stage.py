@@ -92,7 +92,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
 
     params_first, params_last = stage_params(model, c, "first"), stage_params(model, c, "last")
     for stage, params in ((first, params_first), (middle, stage_params(model, c, "middle")), (last, params_last)):
-        stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute)
+        stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
+                                                  stage.backward)
     return StageCosts(first, middle, last, params_first, params_last)
 
 
