@@ -36,7 +36,8 @@ def compute(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: in
         try:
             points[mode] = scale(model, system, plan, list(nodes), weak=(mode == "weak"), dtype=dtype)
         except PerfsimError as exc:
-            problems[mode] = str(exc)
+            why = str(exc)
+            problems[mode] = why[len(f"{mode} scaling: "):] if why.startswith(f"{mode} scaling: ") else why
     if not points:
         raise PerfsimError("; ".join(f"{mode} scaling: {why}" for mode, why in problems.items()))
     return points, problems
