@@ -35,7 +35,7 @@ print("BENCH", code, wall, usage.ru_utime + usage.ru_stime, file=sys.stderr)
 
 def synthetic_ledger(path: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from test_charts import synthetic_ledger as write
+    from ledger_sample import synthetic_ledger as write
 
     from perfsim.spec.system import load_system
 

@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from browser import CHROMIUM, check_pages, screenshot
+from ledger_sample import synthetic_ledger
 from perfsim import cli
 from perfsim.spec.system import load_system
 
@@ -26,8 +27,6 @@ KINDS = ("whatif", "heatmap", "scaling", "memory", "breakdown", "timeline", "val
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory):
-    from test_charts import synthetic_ledger
-
     folder = tmp_path_factory.mktemp("pages")
     ledger = folder / "ledger.jsonl"
     synthetic_ledger(ledger, load_system("smng-p2"))
