@@ -254,7 +254,7 @@ def test_validation_figure_reads_the_ledger(tmp_path):
     system = load_system("smng-p2")
     path = tmp_path / "ledger.jsonl"
     truth = synthetic_ledger(path, system)
-    records, predicted, note = validation.load(str(path), system)
+    records, measured, predicted, note = validation.load(str(path), system)
     assert len(records) == len(truth) == 9
     assert list(predicted) == pytest.approx(truth, rel=1e-9)
     assert "attention" in note and "damaged" in note
@@ -267,6 +267,16 @@ def test_validation_figure_reads_the_ledger(tmp_path):
     assert len(errors) == 9 and all(4 < abs(e) < 6.5 for e in errors)  # the ledger's +-5%
     with pytest.raises(Exception, match="no record with both"):
         validation.load(str(path), None)
+
+
+def test_validation_measures_as_calibrate_fits():
+    from perfsim.charts.validation import measured_time
+
+    r = {"stats": {"median_s": 2.0, "min_s": 1.0}, "cpu_stats": {"median_s": 0.8, "min_s": 0.5}}
+    assert measured_time(r) == 0.5  # calibrate's default: best repetition, CPU time where recorded
+    assert measured_time(r, "min", "wall") == 1.0
+    assert measured_time(r, "median", "wall") == 2.0
+    assert measured_time({"stats": {"median_s": 3.0}}, "p25") == 3.0  # missing statistic: the median
 
 
 # --- the command line -----------------------------------------------------------------------

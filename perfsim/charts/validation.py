@@ -1,7 +1,10 @@
 """Predicted against measured: the records of a measurement ledger (validate/, JSON Lines; read
 with perfsim.calibrate.read_ledger) beside what perfsim predicts for each, with +-10% bands.
 
-A record's measured time is its stats.median_s. Its predicted time is the record's own
+A record's measured time is the statistic of its repetitions that `perfsim calibrate --fit` fits
+(by default the best repetition, and the rank's CPU time for compute points where the ledger
+has it; `statistic` and `clock` choose as calibrate's --statistic and --clock do), so the chart
+shows what the calibrated profile was fitted to. Its predicted time is the record's own
 `predicted_s` when it has one (a whole training step checked by a validation run); otherwise
 perfsim predicts it with a system profile through the very cost functions a prediction uses:
 GEMMs with perfsim.cost.layer.gemm_time, element-wise and streaming ops with memory_time,
@@ -56,21 +59,36 @@ def _predicted(system, records: list) -> tuple:
     return out
 
 
-def load(path: str, system=None) -> tuple:
-    """(records with a measured and a predicted time, their predicted times, a note on the rest)."""
+def measured_time(record: dict, statistic: str = "min", clock: str = "auto") -> float:
+    """The measured seconds of a record, chosen as perfsim calibrate's fit chooses them."""
+    from perfsim.calibrate import STATISTICS
+
+    if statistic not in STATISTICS:
+        raise PerfsimError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    if clock not in ("auto", "wall"):
+        raise PerfsimError(f"clock must be auto or wall, got {clock!r}")
+    stats = record["cpu_stats"] if clock == "auto" and isinstance(record.get("cpu_stats"), dict) else record["stats"]
+    t = stats.get(STATISTICS[statistic], record["stats"]["median_s"])
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 else float("nan")
+
+
+def load(path: str, system=None, statistic: str = "min", clock: str = "auto") -> tuple:
+    """(records with a measured and a predicted time, their measured and predicted times, a note
+    on the rest)."""
     from perfsim.calibrate import read_ledger
 
     records, problems = read_ledger(path)
     measured_ok = [r for r in records if "error" not in r]
     failed = len(records) - len(measured_ok)
+    measured = np.array([measured_time(r, statistic, clock) for r in measured_ok], float)
     predicted = _predicted(system, measured_ok)
-    keep = [i for i in range(len(measured_ok)) if np.isfinite(predicted[i])]
+    keep = [i for i in range(len(measured_ok)) if np.isfinite(predicted[i]) and np.isfinite(measured[i])]
     left = len(measured_ok) - len(keep)
     notes = []
     if failed:
         notes.append(f"{failed} failed points")
     if left:
-        suites = sorted({measured_ok[i]["suite"] for i in range(len(measured_ok)) if not np.isfinite(predicted[i])})
+        suites = sorted({measured_ok[i]["suite"] for i in range(len(measured_ok)) if i not in set(keep)})
         notes.append(f"{left} records without a prediction ({', '.join(suites)}"
                      + ("; give --system to predict them" if system is None else "") + ")")
     if problems:
@@ -79,7 +97,7 @@ def load(path: str, system=None) -> tuple:
         raise PerfsimError(f"ledger {path}: no record with both a measured and a predicted time"
                            + (f" ({'; '.join(notes)})" if notes else "")
                            + ("; give --system PROFILE to predict the measured operations" if system is None else ""))
-    return [measured_ok[i] for i in keep], predicted[keep], "; ".join(notes)
+    return [measured_ok[i] for i in keep], measured[keep], predicted[keep], "; ".join(notes)
 
 
 def _describe(r: dict) -> str:
@@ -88,12 +106,9 @@ def _describe(r: dict) -> str:
     return f"{r['suite']} {r['op']} {r['dtype']}: {shape}{group}"
 
 
-def figure(path: str, system=None, records=None, predicted=None, note: str = "") -> go.Figure:
+def figure(path: str, system=None, statistic: str = "min", clock: str = "auto") -> go.Figure:
     """The parity plot and the relative error of ledger `path` (predictions from `system`)."""
-    if records is None:
-        records, predicted, note = load(path, system)
-    measured = np.array([r["stats"]["median_s"] for r in records], float)
-    predicted = np.asarray(predicted, float)
+    records, measured, predicted, note = load(path, system, statistic, clock)
     error = predicted / measured - 1
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
                         subplot_titles=("predicted against measured (log-log)", "prediction error against measured time"))
@@ -126,7 +141,10 @@ def figure(path: str, system=None, records=None, predicted=None, note: str = "")
     fig.update_xaxes(type="log", dtick=1, title_text="measured time (s)", row=1, col=2)
     span = max(25.0, min(200.0, float(np.max(np.abs(100 * error))) * 1.1))
     fig.update_yaxes(title_text="(predicted - measured) / measured (%)", range=[-span, span], row=1, col=2)
-    source = f"ledger {path}" + (f", predictions from profile {system.name}" if system is not None else "")
+    chosen = {"min": "the best", "median": "the median", "p25": "the 25th percentile", "mean": "the mean"}[statistic]
+    source = (f"ledger {path}" + (f", predictions from profile {system.name}" if system is not None else "")
+              + f"; measured: {chosen} of each point's repetitions"
+              + (", the rank's CPU time where recorded" if clock == "auto" else ", wall clock"))
     subtitle = f"{source}. " + "; ".join(summary) + "." + (f" Left out: {note}." if note else "") + \
         " Green band: within +-10% of the measurement."
     fig.update_layout(title=title("How close are perfsim's predictions to measurements?", subtitle, 150),

@@ -37,6 +37,10 @@ def add_chart_flags(p) -> None:
                    help="timeline: simulate this schedule instead of the plan's (zb-h1: zero-bubble H1)")
     g.add_argument("--ledger", metavar="FILE.jsonl",
                    help="validation: a measurement ledger written by perfsim calibrate / validate/")
+    g.add_argument("--statistic", default="min", choices=("min", "median", "p25", "mean"),
+                   help="validation: the statistic of each point's repetitions (default min, as calibrate fits)")
+    g.add_argument("--clock", default="auto", choices=("auto", "wall"),
+                   help="validation: auto (a rank's CPU time where recorded, as calibrate fits) or wall")
 
 
 def register(sub) -> None:
@@ -128,7 +132,7 @@ def figure_for(kind: str, case: Case, args):
         if not args.ledger:
             raise PerfsimError("the validation chart needs --ledger FILE.jsonl (a ledger written by perfsim calibrate)")
         system = case.system if args.system is not None else None
-        return validation.figure(args.ledger, system)
+        return validation.figure(args.ledger, system, args.statistic, args.clock)
     raise PerfsimError(f"unknown chart kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 

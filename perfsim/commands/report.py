@@ -73,7 +73,8 @@ def sections(case, args, progress=None) -> list:
     section("One simulated training step", lambda: timeline.figure(m, s, plan, case.dtype, args.sim_schedule))
     if args.ledger:
         section("Predictions against measurements",
-                lambda: validation.figure(args.ledger, s if args.system is not None else None))
+                lambda: validation.figure(args.ledger, s if args.system is not None else None, args.statistic,
+                                          args.clock))
     else:
         out.append(("Predictions against measurements", None,
                     "No ledger given: pass --ledger FILE.jsonl (written by perfsim calibrate) to compare perfsim's "
