@@ -692,10 +692,9 @@ class TopologyCommModel:
         slope, offset = np.zeros((len(tables), width)), np.full((len(tables), width), INF)
         for i, t in enumerate(tables):
             slope[i, :len(t)], offset[i, :len(t)] = t[:, 0], t[:, 1]
-        if width == 1:
-            out = slope[inverse, 0] * n + offset[inverse, 0]
-        else:
-            out = np.min(slope[inverse] * n[:, None] + offset[inverse], axis=1)
+        out = slope[:, 0][inverse] * n + offset[:, 0][inverse]
+        for j in range(1, width):  # column by column: contiguous, unlike a minimum along a short axis
+            np.minimum(out, slope[:, j][inverse] * n + offset[:, j][inverse], out=out)
         return out.reshape(shape)
 
     def _group_shapes(self, size, stride):
