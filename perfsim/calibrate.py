@@ -35,6 +35,7 @@ import os
 import numpy as np
 
 from perfsim.errors import PerfsimError
+from perfsim.spec._toml import open_input
 
 LEDGER_SCHEMA = 1
 SUITES = ("gemm", "memory", "attention", "collective")
@@ -54,14 +55,7 @@ PEAK_KEYS = ("spec", "derived")  # provenances of a true peak, kept when a fit s
 def read_ledger(path: str) -> tuple[list, list]:
     """(records, problems): every well-formed record (the last one of each key), and one line of
     text per damaged or unusable line. A missing or unreadable file is a PerfsimError."""
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        raise PerfsimError(f"ledger {path} does not exist") from None
-    except IsADirectoryError:
-        raise PerfsimError(f"ledger {path} is a directory; give the .jsonl file") from None
-    except OSError as exc:
-        raise PerfsimError(f"ledger {path} cannot be read: {exc.strerror or exc}") from None
+    fh = open_input(path, "ledger", ".jsonl file")
     records, problems = {}, []
     with fh:
         for number, raw in enumerate(fh, 1):
@@ -640,11 +634,10 @@ def profile_toml(data: dict, header: list | None = None) -> str:
 
 def calibrated_profile(base_path: str, calibration: Calibration, ledger: str, name: str, description: str) -> str:
     """The TOML text of the base profile with every fitted number replaced."""
-    from perfsim.spec._toml import tomllib
+    from perfsim.spec._toml import read_toml
     from perfsim.spec.system import parse_system
 
-    with open(base_path, "rb") as fh:
-        data = tomllib.load(fh)
+    data = read_toml(base_path, "base profile")
     data["name"], data["description"] = name, description
     for key, fitted in calibration.values.items():
         section, item = key.split(".", 1)

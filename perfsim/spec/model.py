@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from perfsim.spec._toml import tomllib
+from perfsim.spec._toml import read_toml
 from dataclasses import dataclass
 
 from perfsim.errors import PerfsimError
@@ -122,17 +122,7 @@ def load_model(text: str) -> ModelSpec:
     if text in PRESETS:
         return build_model(text, dict(PRESETS[text]), f"preset {text}")
     if text.endswith(".toml") or os.path.sep in text:
-        try:
-            with open(text, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise PerfsimError(f"model file {text} does not exist") from None
-        except IsADirectoryError:
-            raise PerfsimError(f"model file {text} is a directory; give a .toml file") from None
-        except OSError as exc:
-            raise PerfsimError(f"model file {text} cannot be read: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise PerfsimError(f"model file {text} is not valid TOML: {exc}") from None
+        data = read_toml(text, "model file")
         data = data.get("model", data)
         if not isinstance(data, dict):
             raise PerfsimError(f"model file {text}: [model] must be a table of model fields")

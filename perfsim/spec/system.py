@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from perfsim.spec._toml import tomllib
+from perfsim.spec._toml import read_toml
 from dataclasses import dataclass, fields
 
 from perfsim.errors import PerfsimError
@@ -191,15 +191,4 @@ def load_system(text: str) -> System:
         path = os.path.join(PROFILE_DIR, text + ".toml")
         if not os.path.exists(path):
             raise PerfsimError(f"unknown system {text!r}; available: {', '.join(available_systems())} (or a path to a .toml profile)")
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise PerfsimError(f"system profile {path} does not exist") from None
-    except IsADirectoryError:
-        raise PerfsimError(f"system profile {path} is a directory; give a .toml file") from None
-    except OSError as exc:
-        raise PerfsimError(f"system profile {path} cannot be read: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PerfsimError(f"system profile {path} is not valid TOML: {exc}") from None
-    return parse_system(data, f"system profile {path}", path)
+    return parse_system(read_toml(path, "system profile"), f"system profile {path}", path)
