@@ -68,26 +68,7 @@ class Graph:
 
     def after(self, prev: int, work: float, links=None, cls: int = 0, tail: float = 0.0) -> int:
         """`add` for the common case of one dependency (`prev`, ignored when negative)."""
-        t = len(self.work)
-        if links is None:
-            self.work.append(work + tail)
-            self.tail.append(0.0)
-        else:
-            self.work.append(work)
-            self.tail.append(tail)
-        self.succ.append(None)
-        self.links.append(links)
-        self.cls.append(cls)
-        if prev >= 0:
-            s = self.succ[prev]
-            if s is None:
-                self.succ[prev] = [t]
-            else:
-                s.append(t)
-            self.npred.append(1)
-        else:
-            self.npred.append(0)
-        return t
+        return self.add(work, (prev,), links, cls, tail)
 
     def depend(self, task: int, on: int) -> None:
         """`task` also waits for `on` to finish."""
