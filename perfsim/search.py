@@ -70,14 +70,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _allowed(fixes: dict, knob: str, values):
+def allowed_values(fixes: dict, knob: str, values):
     return [v for v in values if knob not in fixes or v in fixes[knob]]
 
 
 def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
     """(mode, tp, depth, sp, regather) for every tensor-parallel layout with tp dividing devices."""
     configs = []
-    for tp in _allowed(fixes, "tp", _divisors(devices)):
+    for tp in allowed_values(fixes, "tp", _divisors(devices)):
         if tp == 1:  # every mode is the same plan on one device: keep it once, as 1d
             configs.append(("1d", 1, 1, False, False))
             continue
@@ -111,12 +111,12 @@ def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
 
 def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode."""
-    zeros = _allowed(fixes, "zero", (0, 1, 2, 3))
-    recomputes = [RECOMPUTE.index(r) for r in _allowed(fixes, "recompute", RECOMPUTE)]
-    mbs_all = _allowed(fixes, "mbs", _divisors(gbs))
+    zeros = allowed_values(fixes, "zero", (0, 1, 2, 3))
+    recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
+    mbs_all = allowed_values(fixes, "mbs", _divisors(gbs))
     by_mode: dict = {}
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
-        for pp in _allowed(fixes, "pp", _divisors(devices // tp)):
+        for pp in allowed_values(fixes, "pp", _divisors(devices // tp)):
             dp = devices // (tp * pp)
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue
@@ -170,7 +170,7 @@ class SearchResult:
     candidates: int = 0
 
 
-def _plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
+def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
     return Plan(tp=int(cols["tp"][i]), tp_mode=mode, tp_depth=int(cols["tp_depth"][i]), sp=bool(cols["sp"][i]),
                 pp=int(cols["pp"][i]), vpp=int(cols["vpp"][i]), schedule=SCHEDULES[int(cols["schedule"][i])],
                 dp=int(cols["dp"][i]), zero=int(cols["zero"][i]), mbs=int(cols["mbs"][i]), gbs=int(cols["gbs"][i]),
@@ -192,7 +192,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     rejected: dict = {}
     evaluated = feasible = 0
     kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
-    orders = _allowed(fixes, "order", TEXT_KNOBS["order"])
+    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
     groups = list(candidates(model, devices, gbs, fixes))
     space = sum(len(cols["tp"]) for _, cols in groups) * len(orders)
     for mode, cols in groups:
@@ -221,7 +221,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
                 score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
                 speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
                 best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
-                chosen = set(best.tolist()) | set(ok[_pareto(speed, memory)].tolist())
+                chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
                 position = {int(i): j for j, i in enumerate(ok)}
                 kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
                           float(memory[position[i]])) for i in chosen]
@@ -231,15 +231,15 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     if feasible == 0:
         raise PerfsimError(_nothing_fits(evaluated, rejected, devices, gbs))
     kept.sort(key=lambda k: -k[0])
-    plans = [predict(model, system, _plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in kept[:top]]
+    plans = [predict(model, system, plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in kept[:top]]
     speed = np.array([k[5] for k in kept])
     memory = np.array([k[6] for k in kept])
-    front = sorted((kept[i] for i in _pareto(speed, memory)), key=lambda k: k[6])
-    pareto = [predict(model, system, _plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in front]
+    front = sorted((kept[i] for i in pareto_front(speed, memory)), key=lambda k: k[6])
+    pareto = [predict(model, system, plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in front]
     return SearchResult(evaluated, feasible, rejected, plans, pareto, seconds, space)
 
 
-def _pareto(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:
+def pareto_front(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:
     """Indices of points no other point beats in both throughput (higher) and memory (lower)."""
     order = np.lexsort((-speed, memory))
     best = np.maximum.accumulate(speed[order])

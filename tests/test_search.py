@@ -17,9 +17,9 @@ SYSTEM = perfsim.load_system("dgx-a100")
 
 
 def _plan(mode, cols, i, order="tp-dp-pp"):
-    from perfsim.search import _plan_at
+    from perfsim.search import plan_at
 
-    return _plan_at(mode, order, cols, i)
+    return plan_at(mode, order, cols, i)
 
 
 def test_vectorised_rules_agree_with_plan_problems():

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from perfsim.charts._common import GIB, case_line, plan_label, style, title
 from perfsim.charts.space import Batch, Rejected, sweep
 from perfsim.errors import PerfsimError
-from perfsim.search import TEXT_KNOBS, _plan_at
+from perfsim.search import TEXT_KNOBS, plan_at
 from perfsim.spec.plan import RECOMPUTE, SCHEDULES, TP_MODES
 
 KNOB_TITLES = {
@@ -127,7 +127,7 @@ class Grid:
             cell.min_memory = min(cell.min_memory, float(smallest[j]))
             if fits[i] and (cell.best is None or speed[i] > cell.best[0]):
                 pick = lambda k: float(np.broadcast_to(np.asarray(k, float), (n,))[i])  # noqa: E731
-                cell.best = (float(speed[i]), _plan_at(event.mode, event.order, event.cols, int(i)), pick(r["mfu"]),
+                cell.best = (float(speed[i]), plan_at(event.mode, event.order, event.cols, int(i)), pick(r["mfu"]),
                              pick(r["step_time_s"]), float(memory[i]))
 
 

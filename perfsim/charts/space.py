@@ -16,7 +16,7 @@ import numpy as np
 from perfsim.cost.columns import Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
-from perfsim.search import BATCH, TEXT_KNOBS, _allowed, _pareto, _plan_at, candidates, rejection_reasons
+from perfsim.search import BATCH, TEXT_KNOBS, allowed_values, candidates, pareto_front, plan_at, rejection_reasons
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -50,7 +50,7 @@ def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict 
     """Evaluate every valid plan once, handing each Rejected and Batch to every consumer's `add`.
     Returns counts: candidates, evaluated, feasible."""
     fixes = fixes or {}
-    orders = _allowed(fixes, "order", TEXT_KNOBS["order"])
+    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
     counts = {"candidates": 0, "evaluated": 0, "feasible": 0}
     for mode, cols in candidates(model, devices, gbs, fixes):
         n = len(cols["tp"])
@@ -98,7 +98,7 @@ class PlanPool:
     def _select(self, speed, memory, fits) -> np.ndarray:
         everything = np.arange(len(speed))
         chosen = {*_top(speed, np.flatnonzero(fits), self.keep).tolist(), *_top(speed, everything, self.keep).tolist(),
-                  *_pareto(speed, memory).tolist()}
+                  *pareto_front(speed, memory).tolist()}
         return np.array(sorted(chosen), dtype=int)
 
     def add(self, event) -> None:
@@ -153,7 +153,7 @@ def pick(groups: list, results: list, g: int, i: int) -> Best:
     r = results[g]
     shape = np.shape(cols["tp"])
     value = lambda x: float(np.broadcast_to(np.asarray(x, float), shape)[i])  # noqa: E731
-    return Best(plan=_plan_at(mode, order, cols, i), tokens_per_s=value(r["tokens_per_s"]),
+    return Best(plan=plan_at(mode, order, cols, i), tokens_per_s=value(r["tokens_per_s"]),
                 step_time_s=value(r["step_time_s"]), mfu=value(r["mfu"]), memory_bytes=value(r["memory_bytes"]["total"]),
                 breakdown_s={k: value(v) for k, v in r["time_breakdown_s"].items()})
 
