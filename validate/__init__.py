@@ -8,6 +8,11 @@ commands that run real work (`perfsim calibrate`). Modules:
 - ledger: the JSON Lines record of every measurement, resumable
 - campaign: what one rank of a calibration run does, and the local launcher
 - slurm: the batch script for SuperMUC-NG Phase 2 (mpiexec, oneCCL settings)
+- gpt: a small GPT whose layers run 1D tensor parallelism (with or without sequence parallelism)
+  through torch.distributed.tensor.parallel, and recompute none/selective/full
+- instrument: counting a real step's matrix FLOPs and collectives per rank (dispatch modes)
+- tp_check: one rank's correctness and exactness checks of the GPT against a single-process
+  reference and against perfsim (run under campaign.launch_ranks)
 
 Importing the package itself does not import torch; its modules do.
 """

@@ -122,16 +122,24 @@ def _free_port() -> int:
 def launch_local(options: Options, nproc: int, stream=None) -> None:
     """Run `nproc` ranks on this machine (like torchrun --standalone) and wait for them. If one
     fails, the others are stopped; the error names the rank."""
+    launch_ranks(["-m", "perfsim.cli"] + worker_argv(options), nproc, options.device, options.threads)
+
+
+def launch_ranks(python_argv: list, nproc: int, device: str = "cpu", threads: int | None = None,
+                 what: str = "calibration",
+                 resume: str = "the ledger keeps what was measured, run the same command again to resume") -> None:
+    """Run `python python_argv...` as `nproc` ranks on this machine and wait for them; if one
+    fails, stop the others and raise a PerfsimError naming the rank and its last stderr line."""
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc))
-    if options.device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(options.threads or max(1, (os.cpu_count() or 1) // nproc)))
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nproc)))
         env.update({k: env.get(k, v) for k, v in CPU_ALLOCATOR_ENV.items()})
     procs = []
     for rank in range(nproc):
         env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        cmd = [sys.executable, "-m", "perfsim.cli"] + worker_argv(options)
+        cmd = [sys.executable] + list(python_argv)
         procs.append(subprocess.Popen(cmd, env=env_r, stdout=None if rank == 0 else subprocess.DEVNULL,
                                       stderr=None if rank == 0 else subprocess.PIPE))
     failed = None
@@ -167,8 +175,7 @@ def launch_local(options: Options, nproc: int, stream=None) -> None:
                 detail = f": {text[-1]}" if text else ""
         if rank < 0:
             raise PerfsimError("interrupted; run the same command again to resume from the ledger")
-        raise PerfsimError(f"calibration rank {rank} exited with status {code}{detail}; the ledger keeps what was "
-                           f"measured, run the same command again to resume")
+        raise PerfsimError(f"{what} rank {rank} exited with status {code}{detail}; {resume}")
 
 
 def run_worker(options: Options, environ=None, out=None) -> int:

@@ -1,0 +1,218 @@
+"""A small GPT whose transformer layers run real 1D tensor parallelism (Megatron), with or without
+sequence parallelism, through torch.distributed.tensor.parallel on a 1-D DeviceMesh.
+
+The model is written once, for one process; `parallelize` shards it in place:
+
+| module | 1d | 1d + SP |
+|---|---|---|
+| word embedding (vocabulary-parallel) | RowwiseParallel: all-reduce | RowwiseParallel, output Shard(1): reduce-scatter |
+| LayerNorms | replicated | SequenceParallel (sequence-split) |
+| QKV, FC1 | ColwiseParallel (f: all-reduce of dX backward) | ColwiseParallel, input Shard(1): all-gather |
+| attention output, FC2 | RowwiseParallel (g: all-reduce forward) | RowwiseParallel, output Shard(1): reduce-scatter |
+| LM head (vocabulary-parallel) | ColwiseParallel, output Shard(-1) | same, input Shard(1): all-gather |
+| loss | `loss_parallel()`: max, sum of exponentials and target logit all-reduced | same |
+
+QKV is one fused linear whose output columns are laid out head by head ([heads, 3, head_dim]),
+so a column shard holds whole heads (q, k and v of heads/P heads). The attention core is written
+with explicit matmuls (QK^T and AV) so that FLOP counting sees exactly those two products.
+The head is untied from the embedding (`tied_embeddings=False` in the perfsim spec). No dropout.
+
+Recompute (torch.utils.checkpoint, non-reentrant): "selective" checkpoints the attention core
+(scores, softmax, context), "full" the whole transformer layer. Early stopping is off: torch
+would otherwise stop the recomputation once every saved tensor is rebuilt, skipping the last
+product (AV for selective; FC2 and its all-reduce or reduce-scatter for full), whereas Megatron's
+checkpointing, and perfsim, re-run the whole checkpointed forward.
+
+The positions of the learned position embedding are replicated; with SP each rank adds its own
+sequence slice, so the position-embedding gradient is partial per rank and `finish_gradients`
+all-reduces it (as Megatron's finalize step does for sequence-parallel parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int  # already padded (perfsim's ModelSpec.padded_vocab(tp))
+    recompute: str = "none"
+
+    @classmethod
+    def from_spec(cls, model, tp: int = 1, recompute: str = "none") -> "GPTConfig":
+        """From a perfsim ModelSpec: the vocabulary padded as Megatron pads it for `tp` ranks."""
+        if model.gated_mlp or model.norm != "layernorm" or not model.bias or model.kv_head_count != model.heads:
+            raise ValueError("validate.gpt builds GPT layers only: LayerNorm, biases, GeLU MLP, multi-head attention")
+        if model.ffn_size != 4 * model.hidden:
+            raise ValueError("validate.gpt uses ffn = 4 x hidden")
+        return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute)
+
+
+def attention_core(q, k, v):
+    """Causal softmax(Q K^T / sqrt(d)) V on [b, heads, s, d] tensors."""
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.heads
+        self.selective = cfg.recompute == "selective"
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x):
+        qkv = self.qkv(x)  # [b, s, 3 h / P], whole heads: works sharded or not
+        b, s, width = qkv.shape
+        heads = width // (3 * self.head_dim)
+        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        if self.selective:
+            with set_checkpoint_early_stop(False):
+                context = checkpoint(attention_core, q, k, v, use_reentrant=False)
+        else:
+            context = attention_core(q, k, v)
+        return self.proj(context.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.fc2 = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.full = cfg.recompute == "full"
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def _forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x):
+        if self.full:
+            with set_checkpoint_early_stop(False):
+                return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        if cfg.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {cfg.recompute!r}")
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.mesh = None
+        self.sp = False
+
+    def forward(self, tokens):
+        x = self.embed(tokens)  # [b, s, h], or [b, s/P, h] with SP
+        s = x.shape[1]
+        start = self.mesh.get_local_rank() * s if self.sp else 0
+        x = x + self.pos[start:start + s]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, tokens, targets):
+        """Mean next-token cross-entropy; vocabulary-parallel when the model is parallelized."""
+        logits = self(tokens)
+        if self.mesh is None:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def backward(self, loss):
+        """loss.backward(), inside loss_parallel when parallel (its backward needs it)."""
+        if self.mesh is None:
+            loss.backward()
+            return
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss.backward()
+
+    def finish_gradients(self):
+        """Sum the partial gradients of parameters used sequence-split, as Megatron's finalize
+        step does: the position embedding, and the LayerNorms under SequenceParallel, whose
+        DTensor gradients backward leaves Partial (unreduced)."""
+        if not self.sp:
+            return
+        import torch.distributed as dist
+        from torch.distributed.tensor import Replicate
+
+        if self.pos.grad is not None:
+            dist.all_reduce(self.pos.grad, group=self.mesh.get_group())
+        for p in self.parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(placements=[Replicate()])
+
+
+def parallelize(model: GPT, mesh, sp: bool) -> GPT:
+    """Shard `model` in place over the 1-D `mesh` (1d tensor parallelism, optionally with SP)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    tp = mesh.size()
+    cfg = model.cfg
+    if cfg.heads % tp or cfg.vocab % tp or (sp and cfg.seq % tp):
+        raise ValueError(f"heads ({cfg.heads}), vocab ({cfg.vocab}){' and seq' if sp else ''} must divide by tp={tp}")
+    region_in = Shard(1) if sp else Replicate()
+    region_out = Shard(1) if sp else Replicate()
+    for block in model.blocks:
+        plan = {"attn.qkv": ColwiseParallel(input_layouts=region_in),
+                "attn.proj": RowwiseParallel(output_layouts=region_out),
+                "mlp.fc1": ColwiseParallel(input_layouts=region_in),
+                "mlp.fc2": RowwiseParallel(output_layouts=region_out)}
+        if sp:
+            plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
+        parallelize_module(block, mesh, plan)
+    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region_out),
+           "head": ColwiseParallel(input_layouts=region_in, output_layouts=Shard(-1), use_local_output=False)}
+    if sp:
+        top["ln_f"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    model.mesh, model.sp = mesh, sp
+    return model
+
+
+def local_parameter_elements(model: nn.Module) -> int:
+    """Elements of the parameters this rank holds (its shard of each DTensor parameter)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel()
+    return total

@@ -1,0 +1,145 @@
+"""Counting what a real step does: collectives by kind and size, as torch dispatches them.
+
+DTensor (torch 2.13) redistributes through torch.distributed._functional_collectives, which calls
+the `_c10d_functional` ops (`all_reduce`, `all_gather_into_tensor`, `reduce_scatter_tensor`,
+their `_coalesced` forms, and `wait_tensor`); `loss_parallel` calls the same all_reduce. Plain
+`torch.distributed` calls (all_reduce, all_gather_into_tensor, reduce_scatter_tensor) dispatch
+the in-place `c10d` ops (`allreduce_`, `_allgather_base_`, `_reduce_scatter_base_`). A
+TorchDispatchMode sees both families on the local tensors, whatever Python wrapper issued them,
+so one counter serves DTensor layers and hand-written autograd Functions alike.
+
+Each record is (kind, elements of the full tensor, bytes per element, group size): the full
+tensor is what perfsim's Collective.nbytes means (the gathered size for all-gather and
+reduce-scatter). FLOPs come from torch.utils.flop_counter.FlopCounterMode, which counts matrix
+products (mm, addmm, bmm, baddbmm, matmul's decompositions, convolutions, SDPA); it does not see
+element-wise work (LayerNorm, GeLU, softmax, bias adds, the loss), embedding lookups or
+collectives, which perfsim does not count as FLOPs either.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: str
+    elements: int  # of the full tensor: the gathered size for all-gather and reduce-scatter
+    element_bytes: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.element_bytes
+
+    def sent_bytes(self) -> float:
+        """Bytes each member sends with ring algorithms (perfsim's sent_bytes convention)."""
+        share = (self.group_size - 1) / self.group_size
+        return (2 if self.kind == ALL_REDUCE else 1) * share * self.nbytes
+
+
+def _named_group_size(group_name) -> int:
+    """Size of the process group a functional collective names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _group_object_size(group) -> int:
+    """Size of the ProcessGroup a c10d op receives (boxed as a TorchScript object)."""
+    from torch.distributed import ProcessGroup
+
+    return (ProcessGroup.unbox(group) if not isinstance(group, ProcessGroup) else group).size()
+
+
+def _tensors(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _declined(types) -> bool:
+    """DTensor arguments: the mode declines, so DTensor dispatches the local ops (with the mode
+    still active, so they are seen) instead of the mode seeing global shapes."""
+    from torch.distributed.tensor import DTensor
+
+    return any(issubclass(t, DTensor) for t in types)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records every collective dispatched while active (use as a context manager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[Record] = []
+
+    def _add(self, kind, tensors, group_size, full_factor):
+        for t in tensors:
+            self.records.append(Record(kind, t.numel() * full_factor, t.element_size(), group_size))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _declined(types):
+            return NotImplemented  # let DTensor unwrap first; its local ops come back here
+        if any(t is not torch.Tensor for t in types):
+            return func(*args, **kwargs)  # fake tensors of DTensor's sharding propagation: not real work
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "_c10d_functional":
+            if name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"):
+                self._add(ALL_REDUCE, _tensors(args[0]), _named_group_size(args[2]), 1)
+            elif name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+                self._add(ALL_GATHER, _tensors(args[0]), args[1], args[1])  # args[1]: group size
+            elif name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+                self._add(REDUCE_SCATTER, _tensors(args[0]), args[2], 1)
+        elif ns == "c10d":
+            if name == "allreduce_":
+                self._add(ALL_REDUCE, _tensors(args[0]), _group_object_size(args[1]), 1)
+            elif name == "_allgather_base_":
+                self._add(ALL_GATHER, [args[0]], _group_object_size(args[2]), 1)  # args[0]: the gathered output
+            elif name == "_reduce_scatter_base_":
+                self._add(REDUCE_SCATTER, [args[1]], _group_object_size(args[2]), 1)  # args[1]: the full input
+        return func(*args, **kwargs)
+
+    def by_kind(self, element_bytes: int | None = None) -> dict:
+        """Sent bytes per member by collective kind; `element_bytes` re-prices every element
+        (e.g. 2 to compare fp32 CPU runs with perfsim's bf16 volumes)."""
+        out = defaultdict(float)
+        for r in self.records:
+            size = element_bytes or r.element_bytes
+            out[r.kind] += Record(r.kind, r.elements, size, r.group_size).sent_bytes()
+        return dict(out)
+
+
+class LocalFlopCounter(TorchDispatchMode):
+    """FlopCounterMode's formulas applied to the ops a rank really runs.
+
+    FlopCounterMode itself sees a DTensor op before DTensor unwraps it, so it prices the global
+    shapes; this mode declines tensor subclasses (NotImplemented) and counts the local ops that
+    the subclass then dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.counter = FlopCounterMode(display=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _declined(types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if any(t is not torch.Tensor for t in types):
+            return out
+        if func._overloadpacket in self.counter.flop_registry:
+            self.counter._count_flops(func._overloadpacket, out, args, kwargs)
+        return out
+
+    def total(self) -> int:
+        return self.counter.get_total_flops()
+
+    def by_op(self) -> dict:
+        return {str(k): v for k, v in self.counter.get_flop_counts()["Global"].items()}
