@@ -65,3 +65,13 @@ def test_sequence_parallel_moves_what_1d_moves(results):
         assert sum(sp.values()) == pytest.approx(sum(plain.values()))
         assert by_case[f"1d-{rc}"]["sent_bytes"]["gradient_sync"] == {}
         assert by_case[f"1d+sp-{rc}"]["sent_bytes"]["gradient_sync"]["all_reduce"] > 0
+
+
+@pytest.mark.multiprocess
+def test_gloo_sends_an_all_reduce_for_each_reduce_scatter(results):
+    for case in results["cases"]:
+        sent = case["ranks"][0]["sent_bytes"]
+        asked, wire = sent["as_asked_fp32"], sent["gloo_wire_fp32"]
+        assert wire.get("all_reduce", 0.0) == pytest.approx(asked.get("all_reduce", 0.0))
+        assert wire.get("all_gather", 0.0) == pytest.approx(asked.get("all_gather", 0.0))
+        assert wire.get("reduce_scatter", 0.0) == pytest.approx(2 * asked.get("reduce_scatter", 0.0))

@@ -14,6 +14,13 @@ reduce-scatter). FLOPs come from torch.utils.flop_counter.FlopCounterMode, which
 products (mm, addmm, bmm, baddbmm, matmul's decompositions, convolutions, SDPA); it does not see
 element-wise work (LayerNorm, GeLU, softmax, bias adds, the loss), embedding lookups or
 collectives, which perfsim does not count as FLOPs either.
+
+What gloo sends: all-reduce and all-gather run gloo's own algorithms (ring-like, the volumes
+perfsim's sent_bytes assumes). Reduce-scatter has no gloo algorithm: ProcessGroupGloo's
+reduce_scatter_tensor_coalesced clones the whole input, all-reduces it and keeps its chunk, so on
+gloo each reduce-scatter moves an all-reduce's bytes, 2 (P-1)/P n instead of (P-1)/P n.
+`by_kind` counts the collective the program asked for (what perfsim models for a real backend);
+`gloo_wire_by_kind` counts what gloo's implementation sends (what a CPU timing run pays).
 """
 
 from __future__ import annotations
@@ -103,6 +110,14 @@ class CollectiveCounter(TorchDispatchMode):
             elif name == "_reduce_scatter_base_":
                 self._add(REDUCE_SCATTER, [args[1]], _group_object_size(args[2]), 1)  # args[1]: the full input
         return func(*args, **kwargs)
+
+    def gloo_wire_by_kind(self) -> dict:
+        """Sent bytes per member by kind as gloo implements them (reduce-scatter as all-reduce)."""
+        out = defaultdict(float)
+        for r in self.records:
+            kind = ALL_REDUCE if r.kind == REDUCE_SCATTER else r.kind
+            out[r.kind] += Record(kind, r.elements, r.element_bytes, r.group_size).sent_bytes()
+        return dict(out)
 
     def by_kind(self, element_bytes: int | None = None) -> dict:
         """Sent bytes per member by collective kind; `element_bytes` re-prices every element

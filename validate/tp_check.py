@@ -128,7 +128,8 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int) -> dict:
         "grad_max_abs": grad_scale, "partial_grads": partial,
         "flops": {"counted": flops.total(), "perfsim": expected["flops"], "by_op": flops.by_op()},
         "sent_bytes": {"counted": activation_bytes, "perfsim": expected["sent_bytes"],
-                       "other_in_step": other_bytes, "gradient_sync": finish.by_kind()},
+                       "other_in_step": other_bytes, "gradient_sync": finish.by_kind(),
+                       "as_asked_fp32": collectives.by_kind(), "gloo_wire_fp32": collectives.gloo_wire_by_kind()},
         "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"]},
     }
 
