@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="layers=2,hidden=32,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false")
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--cases", default="all", help="comma list of 1d-none, 1d+sp-full, ... or all")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a collective may wait for the other ranks before this rank fails (a dead rank)")
     args = parser.parse_args(argv)
 
     import torch
@@ -150,7 +152,9 @@ def main(argv=None) -> int:
 
     ranks = rank_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=timedelta(seconds=args.timeout))
     try:
         mesh = init_device_mesh("cpu", (ranks.world,), mesh_dim_names=("tp",))
         model = load_model(args.model)
