@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Record:
         return self.elements * self.element_bytes
 
     def sent_bytes(self) -> float:
-        """Bytes each member sends with ring algorithms (perfsim's sent_bytes convention)."""
+        """Bytes each member sends with ring (all-*) and pipelined (broadcast, reduce) algorithms,
+        averaged over the members (perfsim's sent_bytes convention)."""
         share = (self.group_size - 1) / self.group_size
         return (2 if self.kind == ALL_REDUCE else 1) * share * self.nbytes
 
@@ -107,6 +109,9 @@ class CollectiveCounter(TorchDispatchMode):
                 self._add(ALL_REDUCE, _tensors(args[0]), _group_object_size(args[1]), 1)
             elif name == "_allgather_base_":
                 self._add(ALL_GATHER, [args[0]], _group_object_size(args[2]), 1)  # args[0]: the gathered output
+            elif name in ("broadcast_", "reduce_"):  # pipelined: about (P-1)/P n sent per member
+                kind = BROADCAST if name == "broadcast_" else REDUCE
+                self._add(kind, _tensors(args[0]), _group_object_size(args[1]), 1)
             elif name == "_reduce_scatter_base_":
                 self._add(REDUCE_SCATTER, [args[1]], _group_object_size(args[2]), 1)  # args[1]: the full input
         return func(*args, **kwargs)
