@@ -28,24 +28,21 @@ DTYPES = ("fp32", "bf16", "fp16")
 PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "mbs", "order", "tp_axes")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if not 1 <= value <= 2**20:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {2**20}, got {value}")
-    return value
+def _whole(low: int, high: int):
+    """An argparse type: a whole number from low to high."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {value}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= value <= 10000:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 10000, got {value}")
-    return value
+_positive = _whole(1, 2**20)
+_count = _whole(0, 10000)
 
 
 def _seconds(text: str) -> float:
