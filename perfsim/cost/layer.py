@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import Device
 
@@ -49,6 +50,7 @@ class Work:
     core_flops: object = 0.0  # the attention core (recomputed by selective recomputation)
     core_time_s: object = 0.0
     backward_s: object = 0.0  # the backward pass of the same ops
+    weight_grad_s: object = 0.0  # the weight-gradient GEMMs inside backward_s (same shapes as forward)
 
 
 def gemm_efficiency(device: Device, m, n, k):
@@ -93,7 +95,6 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]
 
 GEMM_BACKWARD = 2.0  # data and weight gradient
 MEMORY_BACKWARD = 1.5  # three tensor passes against two
-CORE_GEMMS = ("scores", "context")
 CORE_MEMORY_OPS = ("softmax", "attn_dropout")
 
 
@@ -103,8 +104,10 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list) -> Wo
     for g in gemms:
         flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(device, peak_flops, g)
         total.flops, total.time_s = total.flops + flops, total.time_s + time
-        if g.name in CORE_GEMMS:
+        if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
             total.core_flops, total.core_time_s = total.core_flops + flops, total.core_time_s + time
+        else:
+            total.weight_grad_s = total.weight_grad_s + time
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
     for op in memory_ops:
         time = memory_time(device, op)

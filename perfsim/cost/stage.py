@@ -17,8 +17,7 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
 from perfsim.cost.data_parallel import microbatch_reduction_time
-from perfsim.cost.layer import (BF16, CORE_GEMMS, Work, embedding_work, gemm_time, head_memory_ops, layer_memory_ops,
-                                work)
+from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -34,13 +33,18 @@ class StageTime:
     pp_comm: object = 0.0
     dp_comm: object = 0.0  # ZeRO-3 gathers not hidden behind compute
     backward: object = 0.0  # part of compute + recompute + tp_comm spent in backward
+    forward_compute: object = 0.0  # part of compute spent in forward
+    forward_tp: object = 0.0  # part of tp_comm spent in forward (not recomputation)
+    weight_grad: object = 0.0  # weight-gradient GEMMs inside the backward compute
+
+    KINDS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm")
 
     @property
     def total(self):
         return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.dp_comm
 
     def kinds(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "backward"}
+        return {k: getattr(self, k) for k in self.KINDS}
 
 
 @dataclass
@@ -68,7 +72,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     n = model.layers / p
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
-                       backward=n * (layer.backward_s + recompute + layer_tp_bwd + recompute_tp))
+                       backward=n * (layer.backward_s + recompute + layer_tp_bwd + recompute_tp),
+                       forward_compute=n * layer.time_s, forward_tp=n * layer_tp_fwd, weight_grad=n * layer.weight_grad_s)
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
@@ -101,7 +106,9 @@ def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
     """`stage` with the embedding or the head added."""
     return StageTime(compute=stage.compute + extra.time_s + extra.backward_s, recompute=stage.recompute,
                      tp_comm=stage.tp_comm + tp_forward + tp_backward, pp_comm=stage.pp_comm, dp_comm=stage.dp_comm,
-                     backward=stage.backward + extra.backward_s + tp_backward)
+                     backward=stage.backward + extra.backward_s + tp_backward,
+                     forward_compute=stage.forward_compute + extra.time_s, forward_tp=stage.forward_tp + tp_forward,
+                     weight_grad=stage.weight_grad + extra.weight_grad_s)
 
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:
@@ -121,32 +128,10 @@ class StagePhase:
 
 
 def stage_phases(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> tuple:
-    """(first, middle, last) `StagePhase`s of the stages `stage_costs` times, from the same ops.
-
-    A weight-gradient GEMM has the shape of its forward GEMM, so its time is the forward GEMM's
-    (the efficiency model is symmetric, docs/equations.md section 3.8); the attention core's
-    GEMMs have no weights and the embedding's backward is element-wise, so neither has a W part."""
-    dev, comm = system.device, CommModel(system)
-    b, t, p = c.mbs, c.tp, c.pp
-    layout = tpc.layout_of(model, c)
-    tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, c.strides["tp"])  # noqa: E731
-
-    gemms = tpc.layer_gemms(layout, model, b)
-    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split))
-    weight = sum(gemm_time(dev, peak_flops, g) for g in gemms if g.name not in CORE_GEMMS)
-    n = model.layers / p
-    middle = StagePhase(n * layer.time_s, n * tp_time(tpc.layer_collectives(layout, model, b)[0]), n * weight)
-
-    emb = embedding_work(model, dev, b, layout.region_split)
-    vocab = model.padded_vocab(t)
-    logits = tpc.head_gemm(layout, model, b, vocab)
-    head = work(dev, peak_flops, [logits], head_memory_ops(model, b, layout.split, layout.region_split, vocab))
-    emb_tp = tp_time(tpc.embedding_collectives(layout, model, b)[0])
-    head_tp = tp_time(tpc.head_collectives(layout, model, b, vocab)[0])
-    head_w = gemm_time(dev, peak_flops, logits)
-    first = StagePhase(middle.forward_compute + emb.time_s, middle.forward_tp + emb_tp, middle.weight_grad)
-    last = StagePhase(middle.forward_compute + head.time_s, middle.forward_tp + head_tp, middle.weight_grad + head_w)
-    single = StagePhase(first.forward_compute + head.time_s, first.forward_tp + head_tp, first.weight_grad + head_w)
-    pick = lambda a, s: StagePhase(**{f.name: np.where(p == 1, getattr(a, f.name), getattr(s, f.name))  # noqa: E731
-                                      for f in fields(StagePhase)})
-    return pick(single, first), middle, pick(single, last)
+    """(first, middle, last) `StagePhase`s of the stages `stage_costs` times, read from the same
+    StageTimes. A weight-gradient GEMM has the shape of its forward GEMM, so its time is the
+    forward GEMM's (the efficiency model is symmetric, docs/equations.md section 3.8); the
+    attention core's GEMMs have no weights and the embedding's backward is element-wise, so
+    neither has a W part."""
+    costs = stage_costs(model, system, c, peak_flops)
+    return tuple(StagePhase(s.forward_compute, s.forward_tp, s.weight_grad) for s in (costs.first, costs.middle, costs.last))
