@@ -80,3 +80,14 @@ def style(fig, height: int = 520):
     fig.update_layout(template="plotly_white", font={"family": FONT, "size": 13}, height=height,
                       margin={"l": 70, "r": 30, "t": 100, "b": 70}, hoverlabel={"align": "left"})
     return fig
+
+
+def finish_plan_bars(fig, heading: str, subtitle: str, plans: int):
+    """Layout shared by the charts with one stacked horizontal bar per plan (memory, breakdown)."""
+    fig.update_yaxes(autorange="reversed", automargin=True,
+                     title_text="plan: tensor | pipeline | data parallel | ZeRO stage | micro-batch | recomputation")
+    fig.update_layout(title=title(heading, subtitle, 150), barmode="stack",
+                      legend={"orientation": "h", "x": 0, "y": -0.2, "traceorder": "normal"})
+    style(fig, height=max(420, 70 * plans + 260))
+    fig.update_layout(margin={"t": 130})
+    return fig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, case_line, plan_label, style, title
+from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, case_line, finish_plan_bars, plan_label
 from perfsim.charts.plans import labels
 
 
@@ -26,13 +26,7 @@ def figure(model, system, plans: list, note: str = "") -> go.Figure:
         text=[f"  {p.step_time_s:.2f} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}" for _, p in plans],
         hovertext=[plan_label(p.plan, short=False) for _, p in plans], hoverinfo="text"))
     fig.update_xaxes(title_text="time per training step (s), exposed time by cause", range=[0, 1.45 * max(steps)])
-    fig.update_yaxes(autorange="reversed", automargin=True,
-                     title_text="plan: tensor | pipeline | data parallel | ZeRO stage | micro-batch | recomputation")
     subtitle = (f"{case_line(model, system, plans[0][1].devices)}. Each bar is one training step; a segment is the "
                 "time its cause adds to the step (communication hidden behind compute is not counted), so the "
                 "segments add up to the step time." + (f" {note}." if note else ""))
-    fig.update_layout(title=title("Where does the step time go?", subtitle, 150), barmode="stack",
-                      legend={"orientation": "h", "x": 0, "y": -0.2, "traceorder": "normal"})
-    style(fig, height=max(420, 70 * len(plans) + 260))
-    fig.update_layout(margin={"t": 130})
-    return fig
+    return finish_plan_bars(fig, "Where does the step time go?", subtitle, len(plans))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import GIB, MEMORY_COLOURS, MEMORY_LABELS, case_line, plan_label, style, title
+from perfsim.charts._common import GIB, MEMORY_COLOURS, MEMORY_LABELS, case_line, finish_plan_bars, plan_label
 from perfsim.charts.plans import labels
 
 
@@ -29,13 +29,7 @@ def figure(model, system, plans: list, note: str = "") -> go.Figure:
     fig.add_vline(x=capacity / GIB, line={"color": "#c0392b", "dash": "dash", "width": 2},
                   annotation_text=f"device memory {capacity / GIB:.1f} GiB", annotation_position="top")
     fig.update_xaxes(title_text="peak memory per device (GiB)", range=[0, 1.25 * max(max(totals), capacity / GIB)])
-    fig.update_yaxes(autorange="reversed", automargin=True,
-                     title_text="plan: tensor | pipeline | data parallel | ZeRO stage | micro-batch | recomputation")
     subtitle = (f"{case_line(model, system, plans[0][1].devices)}. Each bar: the peak memory of one device under a "
                 "plan (the larger of the first and last pipeline stage), by what holds it; the dashed line is the "
                 "device's capacity." + (f" {note}." if note else ""))
-    fig.update_layout(title=title("Does the plan fit in device memory?", subtitle, 150), barmode="stack",
-                      legend={"orientation": "h", "x": 0, "y": -0.2, "traceorder": "normal"})
-    style(fig, height=max(420, 70 * len(plans) + 260))
-    fig.update_layout(margin={"t": 130})
-    return fig
+    return finish_plan_bars(fig, "Does the plan fit in device memory?", subtitle, len(plans))
