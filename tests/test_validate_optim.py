@@ -1,0 +1,43 @@
+"""validate.optim.MasterAdam: fp32 master weights and moments behind low-precision parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from validate.optim import OPTIMIZER_STATE_BYTES_PER_PARAM, MasterAdam  # noqa: E402
+
+
+def _pair():
+    torch.manual_seed(0)
+    low = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    ref = torch.nn.Linear(8, 4)
+    ref.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    return low, ref
+
+
+def test_follows_fp32_adamw_to_bf16_rounding():
+    low, ref = _pair()
+    ours = MasterAdam(low.parameters(), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        ours.zero_grad()
+        theirs.zero_grad()
+        low(x.bfloat16()).float().square().sum().backward()
+        ref(x).square().sum().backward()
+        ours.step()
+        theirs.step()
+    # the master copy tracks fp32 AdamW up to the bf16 rounding of the gradients it is fed
+    master = ours.state[low.weight]["master"]
+    assert torch.allclose(master, ref.weight, atol=2e-3)
+    assert torch.equal(low.weight, master.to(torch.bfloat16))
+
+
+def test_state_is_twelve_bytes_a_parameter_once_initialised():
+    low, _ = _pair()
+    opt = MasterAdam(low.parameters())
+    assert opt.state_bytes() == 0
+    opt.init_states()
+    assert opt.state_bytes() == OPTIMIZER_STATE_BYTES_PER_PARAM * sum(p.numel() for p in low.parameters())
