@@ -30,6 +30,7 @@ all-reduces it (as Megatron's finalize step does for sequence-parallel parameter
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,40 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 RECOMPUTE = ("none", "selective", "full")
+
+_checkpoint_observers = []
+
+
+@contextlib.contextmanager
+def observe_checkpoint_inputs(callback):
+    """Call `callback(tensor)` for every tensor input a checkpointed region keeps for its
+    recomputation. torch's non-reentrant checkpoint holds those inputs in a closure, not as saved
+    tensors, so torch.autograd.graph.saved_tensors_hooks never sees them (validate/tp_check.py
+    counts them with this)."""
+    _checkpoint_observers.append(callback)
+    try:
+        yield
+    finally:
+        _checkpoint_observers.remove(callback)
+
+
+def _checkpointed(fn, *args):
+    """Run `fn(*args)` under non-reentrant checkpointing with early stop off (see module doc)."""
+    for observe in _checkpoint_observers:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                observe(a)
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+
+def autocast_for(device_type: str, dtype):
+    """The numerics of a bf16 step: on GPUs (cuda, xpu) bf16 parameters run under
+    torch.autocast(bf16), which keeps softmax, LayerNorm and the loss in fp32 as Megatron does;
+    elsewhere (CPU) and in fp32 the ops run in the parameters' dtype."""
+    if dtype == torch.bfloat16 and device_type in ("cuda", "xpu"):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -83,8 +118,7 @@ class Attention(nn.Module):
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.selective:
-            with set_checkpoint_early_stop(False):
-                context = checkpoint(attention_core, q, k, v, use_reentrant=False)
+            context = _checkpointed(attention_core, q, k, v)
         else:
             context = attention_core(q, k, v)
         return self.proj(context.transpose(1, 2).reshape(b, s, heads * self.head_dim))
@@ -115,8 +149,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         if self.full:
-            with set_checkpoint_early_stop(False):
-                return checkpoint(self._forward, x, use_reentrant=False)
+            return _checkpointed(self._forward, x)
         return self._forward(x)
 
 
@@ -144,14 +177,16 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, tokens, targets):
-        """Mean next-token cross-entropy; vocabulary-parallel when the model is parallelized."""
-        logits = self(tokens)
-        if self.mesh is None:
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        from torch.distributed.tensor.parallel import loss_parallel
+        """Mean next-token cross-entropy; vocabulary-parallel when the model is parallelized.
+        In bf16 on a GPU the forward runs under autocast (`autocast_for`)."""
+        with autocast_for(tokens.device.type, self.embed.weight.dtype):
+            logits = self(tokens)
+            if self.mesh is None:
+                return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            from torch.distributed.tensor.parallel import loss_parallel
 
-        with loss_parallel():
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            with loss_parallel():
+                return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def backward(self, loss):
         """loss.backward(), inside loss_parallel when parallel (its backward needs it)."""

@@ -24,6 +24,7 @@ Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -33,11 +34,18 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.cost.layer import BF16, FP32
-from perfsim.cost.memory import stage_params
+from perfsim.cost.memory import layout_activation_bytes, memory_breakdown, stage_params
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
+from perfsim.spec.system import load_system
 
 CASES = [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")]
+# bf16 parameters (Megatron's regime; on CPU without autocast): checked against the fp32 reference
+BF16_CASES = [(False, "selective"), (True, "full")]
+
+
+def case_name(sp: bool, recompute: str, bf16: bool = False) -> str:
+    return f"1d{'+sp' if sp else ''}-{recompute}{'-bf16' if bf16 else ''}"
 
 
 def gemm_flops(g) -> float:
@@ -68,6 +76,66 @@ def perfsim_expected(model, plan: Plan) -> dict:
     return {"flops": float(flops), "sent_bytes": per_kind, "params": float(stage_params(model, c, "first"))}
 
 
+def perfsim_saved_bytes(model, plan: Plan) -> dict:
+    """perfsim's activation bytes for the plan (one micro-batch, one stage) and the like-for-like
+    figure a saved-tensor count is compared with (docs/real-steps.md, "Saved activations").
+
+    From perfsim: `layer` = layout_activation_bytes per layer; `edge` = what memory_breakdown adds
+    for the embedding and head, i.e. its activations minus the layers and minus the full-recompute
+    working set (a peak during backward, not saved by the forward). Conventions the real step
+    differs in, each a named term: torch's SP keeps the all-gathered QKV and FC1 inputs for the
+    weight gradients (Megatron keeps the shard and all-gathers again in backward, which perfsim's
+    memory assumes), and perfsim's head term holds the bf16 logits beside their fp32 softmax, a
+    transient the cross-entropy does not save."""
+    if model.dropout:
+        raise ValueError("validate.gpt has no dropout: give the model spec dropout=false")
+    c = columns_of(plan)
+    layout = tpc.layout_of(model, c)
+    b, t, tokens = plan.mbs, plan.tp, plan.mbs * model.seq
+    layer = float(layout_activation_bytes(model, layout, b, c.recompute))
+    # any profile: activation bytes do not depend on the machine
+    activations = float(memory_breakdown(model, load_system("cpu-example"), c, last_stage=True)["activations"])
+    working = float(layout_activation_bytes(model, layout, b, 0)) if plan.recompute == "full" else 0.0
+    edge = activations - model.layers * layer - working
+    gathered = 2 * BF16 * tokens * model.hidden * (1 - 1 / t) if plan.sp and plan.recompute != "full" else 0.0
+    logits = BF16 * tokens * model.padded_vocab(t) / t
+    return {"layer": layer, "layers": model.layers * layer, "edge": edge, "working_set": working,
+            "activations": activations, "sp_gathered_inputs_per_layer": gathered, "bf16_logits": logits,
+            "layer_like": layer + gathered, "edge_like": edge - logits,
+            "like": model.layers * (layer + gathered) + edge - logits}
+
+
+# Prices of saved tensors (bytes an element); floating tensors at perfsim's activation dtype.
+PRICE_ACTIVATION = BF16  # activations and norm statistics (this run is fp32; perfsim prices bf16)
+PRICE_LOSS = FP32  # the cross-entropy's log-probabilities: fp32 in perfsim (and under autocast)
+PRICE_MASK = 1  # bool, as perfsim prices dropout masks
+
+
+def price_saved(items) -> dict:
+    """Bytes by region and kind at perfsim's prices. Kinds: "activation" (floating, modelled by
+    perfsim), "norm_stats" (LayerNorm mean and 1/std, [..., 1]), "mask" (bool), "index" (integer:
+    token ids, targets; their own size), "scalar" (0-dim, their own size); the last four are
+    not in perfsim's model."""
+    by_region, by_kind = {}, {}
+    for it in items:
+        dtype, shape, n = it["dtype"], it["shape"], it["storage_elements"]
+        if not shape:
+            kind, price = "scalar", it["storage_bytes"] / n
+        elif dtype == "bool":
+            kind, price = "mask", PRICE_MASK
+        elif not dtype.startswith(("float", "bfloat")):
+            kind, price = "index", it["storage_bytes"] / n
+        elif shape[-1] == 1:
+            kind, price = "norm_stats", PRICE_ACTIVATION
+        else:
+            kind, price = "activation", PRICE_LOSS if it["region"] == "loss" else PRICE_ACTIVATION
+        region = by_region.setdefault(it["region"], {})
+        region[kind] = region.get(kind, 0.0) + n * price
+        by_kind[kind] = by_kind.get(kind, 0.0) + n * price
+    return {"by_region": by_region, "by_kind": by_kind, "total": sum(by_kind.values()),
+            "as_run": float(sum(it["storage_bytes"] for it in items))}
+
+
 def counted_sent_bytes(records, tokens: int, hidden: int) -> tuple[dict, dict]:
     """(activation and loss collectives by kind at perfsim's prices, everything else by kind)."""
     from validate.instrument import Record
@@ -84,7 +152,75 @@ def counted_sent_bytes(records, tokens: int, hidden: int) -> tuple[dict, dict]:
     return activations, other
 
 
-def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int) -> dict:
+class SavedTensorCounter:
+    """What a forward saves for backward, each storage once, parameters excluded, by region.
+
+    Entered around the forward: torch.autograd.graph.saved_tensors_hooks sees every tensor an
+    autograd node saves (DTensors are counted by their local shard), and
+    validate.gpt.observe_checkpoint_inputs the inputs a checkpointed region keeps for its
+    recomputation (held in a closure, invisible to the hooks; inside the region the checkpoint's
+    own hooks replace ours, so what it discards is not counted). Forward pre-hooks label the
+    region: "embedding", "layer<i>", "head" (final norm and logits GEMM), "loss" (after the head)."""
+
+    def __init__(self, torch, model):
+        self.torch = torch
+        self.model = model
+        self.params = {self._key(p) for p in model.parameters()}
+        self.region = "embedding"
+        self.items = []
+        self._seen = set()
+        self._alive = []  # keeps counted storages alive so no address is reused while counting
+
+    @staticmethod
+    def _local(t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+
+    def _key(self, t):
+        st = self._local(t).untyped_storage()
+        return st.data_ptr(), st.nbytes()
+
+    def _record(self, t):
+        local = self._local(t)
+        key = self._key(t)
+        if key in self.params or key in self._seen or key[1] == 0:
+            return
+        self._seen.add(key)
+        self._alive.append(local)
+        self.items.append({"region": self.region, "dtype": str(local.dtype).replace("torch.", ""),
+                           "shape": list(local.shape), "storage_elements": key[1] // local.element_size(),
+                           "storage_bytes": key[1]})
+
+    def _pack(self, t):
+        self._record(t)
+        return t
+
+    def _label(self, name):
+        def hook(module, args):
+            self.region = name
+        return hook
+
+    def __enter__(self):
+        from validate.gpt import observe_checkpoint_inputs
+
+        torch, m = self.torch, self.model
+        self._handles = [m.embed.register_forward_pre_hook(self._label("embedding")),
+                         m.ln_f.register_forward_pre_hook(self._label("head")),
+                         m.head.register_forward_hook(lambda *a: setattr(self, "region", "loss"))]
+        self._handles += [b.register_forward_pre_hook(self._label(f"layer{i}")) for i, b in enumerate(m.blocks)]
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._stack.enter_context(observe_checkpoint_inputs(self._record))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        for h in self._handles:
+            h.remove()
+        self._alive = []
+        return False
+
+
+def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool = False) -> dict:
     from validate.gpt import GPT, GPTConfig, local_parameter_elements, parallelize
     from validate.instrument import CollectiveCounter, LocalFlopCounter
 
@@ -92,7 +228,7 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int) -> dict:
     cfg = GPTConfig.from_spec(model, tp, recompute)
     torch.manual_seed(0)
     reference = GPT(cfg)
-    parallel = parallelize(copy.deepcopy(reference), mesh, sp)
+    parallel = parallelize(copy.deepcopy(reference).to(torch.bfloat16 if bf16 else torch.float32), mesh, sp)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.vocab, (mbs, cfg.seq), generator=gen)
     targets = torch.randint(0, model.vocab, (mbs, cfg.seq), generator=gen)
@@ -101,8 +237,10 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int) -> dict:
     reference.backward(ref_loss)
 
     flops, collectives = LocalFlopCounter(), CollectiveCounter()
+    saved = SavedTensorCounter(torch, parallel)
     with flops, collectives:
-        loss = parallel.loss(tokens, targets)
+        with saved:
+            loss = parallel.loss(tokens, targets)
         parallel.backward(loss)
     finish = CollectiveCounter()
     with finish:
@@ -116,28 +254,30 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int) -> dict:
             if any(pl.is_partial() for pl in g.placements):
                 partial.append(name)
             g = g.full_tensor()
-        grad_err = max(grad_err, float((g - ref_params[name].grad).abs().max()))
+        grad_err = max(grad_err, float((g.float() - ref_params[name].grad).abs().max()))
         grad_scale = max(grad_scale, float(ref_params[name].grad.abs().max()))
-    loss_value = float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
+    loss_value = float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach().float())
 
     plan = Plan(tp=tp, sp=sp, mbs=mbs, gbs=mbs, recompute=recompute)
     expected = perfsim_expected(model, plan)
     activation_bytes, other_bytes = counted_sent_bytes(collectives.records, mbs * model.seq, model.hidden)
     return {
-        "loss": loss_value, "reference_loss": float(ref_loss.detach()), "grad_max_abs_error": grad_err,
+        "dtype": "bf16" if bf16 else "fp32", "loss": loss_value, "reference_loss": float(ref_loss.detach()), "grad_max_abs_error": grad_err,
         "grad_max_abs": grad_scale, "partial_grads": partial,
         "flops": {"counted": flops.total(), "perfsim": expected["flops"], "by_op": flops.by_op()},
         "sent_bytes": {"counted": activation_bytes, "perfsim": expected["sent_bytes"],
                        "other_in_step": other_bytes, "gradient_sync": finish.by_kind(),
                        "as_asked_fp32": collectives.by_kind(), "gloo_wire_fp32": collectives.gloo_wire_by_kind()},
         "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"]},
+        "saved_bytes": {"counted": price_saved(saved.items), "perfsim": perfsim_saved_bytes(model, plan),
+                        "items": saved.items},
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m validate.tp_check")
     parser.add_argument("out")
-    parser.add_argument("--model", default="layers=2,hidden=32,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false")
+    parser.add_argument("--model", default="layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false")
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--cases", default="all", help="comma list of 1d-none, 1d+sp-full, ... or all")
     parser.add_argument("--timeout", type=float, default=120.0,
@@ -159,14 +299,14 @@ def main(argv=None) -> int:
         mesh = init_device_mesh("cpu", (ranks.world,), mesh_dim_names=("tp",))
         model = load_model(args.model)
         results = []
-        for sp, rc in CASES:
-            name = f"1d{'+sp' if sp else ''}-{rc}"
+        for sp, rc, bf16 in [c + (False,) for c in CASES] + [c + (True,) for c in BF16_CASES]:
+            name = case_name(sp, rc, bf16)
             if args.cases != "all" and name not in args.cases.split(","):
                 continue
-            mine = run_case(torch, mesh, model, sp, rc, args.mbs)
+            mine = run_case(torch, mesh, model, sp, rc, args.mbs, bf16)
             everyone = [None] * ranks.world
             dist.all_gather_object(everyone, mine)
-            results.append({"case": name, "sp": sp, "recompute": rc, "ranks": everyone})
+            results.append({"case": name, "sp": sp, "recompute": rc, "bf16": bf16, "ranks": everyone})
         if ranks.rank == 0:
             with open(args.out, "w") as fh:
                 json.dump({"world": ranks.world, "model": args.model, "mbs": args.mbs, "cases": results}, fh, indent=1)
