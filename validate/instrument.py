@@ -21,6 +21,9 @@ reduce_scatter_tensor_coalesced clones the whole input, all-reduces it and keeps
 gloo each reduce-scatter moves an all-reduce's bytes, 2 (P-1)/P n instead of (P-1)/P n.
 `by_kind` counts the collective the program asked for (what perfsim models for a real backend);
 `gloo_wire_by_kind` counts what gloo's implementation sends (what a CPU timing run pays).
+Point-to-point `send` and `recv_` (dist.isend/irecv, batch_isend_irecv, hence
+torch.distributed.pipelining) are recorded as kinds "send" and "recv": a send counts its tensor's
+bytes as sent, a receive counts none (`Record.nbytes` still gives what it received).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+SEND, RECV = "send", "recv"  # point-to-point (pipeline stages): c10d `send` and `recv_`
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,10 @@ class Record:
 
     def sent_bytes(self) -> float:
         """Bytes each member sends with ring (all-*) and pipelined (broadcast, reduce) algorithms,
-        averaged over the members (perfsim's sent_bytes convention)."""
+        averaged over the members (perfsim's sent_bytes convention); a send sends its tensor, a
+        receive sends nothing (its bytes are the sender's)."""
+        if self.kind in (SEND, RECV):
+            return float(self.nbytes) if self.kind == SEND else 0.0
         share = (self.group_size - 1) / self.group_size
         return (2 if self.kind == ALL_REDUCE else 1) * share * self.nbytes
 
@@ -112,6 +119,8 @@ class CollectiveCounter(TorchDispatchMode):
             elif name in ("broadcast_", "reduce_"):  # pipelined: about (P-1)/P n sent per member
                 kind = BROADCAST if name == "broadcast_" else REDUCE
                 self._add(kind, _tensors(args[0]), _group_object_size(args[1]), 1)
+            elif name in ("send", "recv_"):  # point-to-point: group size 2 (the two ends)
+                self._add(SEND if name == "send" else RECV, _tensors(args[0]), 2, 1)
             elif name == "_reduce_scatter_base_":
                 self._add(REDUCE_SCATTER, [args[1]], _group_object_size(args[2]), 1)  # args[1]: the full input
         return func(*args, **kwargs)

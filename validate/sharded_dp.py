@@ -1,0 +1,129 @@
+"""Data parallelism of validate.gpt's GPT by ZeRO stage, with torch's own implementations.
+
+| perfsim zero | here | per step, per data-parallel member |
+|---|---|---|
+| 0 | DistributedDataParallel, `no_sync` on all but the last micro-batch | one all-reduce of the gradients (DDP's buckets) |
+| 1 | DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=MasterAdam) | DDP's all-reduce, then a broadcast of every parameter from the rank that updated it |
+| 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per block and at the root; unsharded parameters kept from the first forward to the last backward (`set_reshard_after_backward` off until the last micro-batch) | one all-gather of the parameters, one reduce-scatter of the gradients per micro-batch |
+| 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | per micro-batch: all-gather per block for forward and again for backward, the root's once (FSDP2 never reshards the root after forward), one reduce-scatter |
+
+torch's ZeRO-1 differs from DeepSpeed's (perfsim's): it all-reduces the whole gradient (DDP)
+where DeepSpeed reduce-scatters it, and broadcasts each updated parameter from its owner where
+DeepSpeed all-gathers the shards; the broadcasts move as many bytes as the all-gather, the
+all-reduce twice the reduce-scatter. ZeroRedundancyOptimizer partitions whole parameters
+greedily by size, so a rank's optimizer state is close to, not exactly, 1/D of the total.
+
+Gradients are averaged over the data-parallel group (DDP and FSDP2 divide by its size) and each
+micro-batch's loss is divided by the micro-batch count, so the step's gradient is that of the
+mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from validate.gpt import GPT, GPTConfig
+from validate.pipeline import token_loss
+
+ZERO = (0, 1, 2, 3)
+
+
+class DataParallel:
+    """One data-parallel replica (or shard) of a GPT and its optimizer, for ZeRO stage `zero`."""
+
+    def __init__(self, gpt: GPT, zero: int, group=None, lr: float = 1e-3, eps: float = 1e-8):
+        import torch.distributed as dist
+
+        from validate.optim import MasterAdam
+
+        if zero not in ZERO:
+            raise ValueError(f"zero must be one of {ZERO}, got {zero!r}")
+        self.zero, self.group = zero, group
+        module = copy.deepcopy(gpt)
+        if zero <= 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.module = DDP(module, process_group=group)
+            self.gpt = self.module.module
+            if zero == 0:
+                self.optimizer = self.adam = MasterAdam(self.gpt.parameters(), lr=lr, eps=eps)
+            else:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                self.optimizer = ZeroRedundancyOptimizer(self.gpt.parameters(), optimizer_class=MasterAdam,
+                                                         process_group=group, lr=lr, eps=eps)
+                self.adam = self.optimizer.optim  # the local MasterAdam over this rank's partition
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            group = group or dist.group.WORLD
+            mesh = DeviceMesh.from_group(group, module.pos.device.type)
+            for block in module.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+            self.module = self.gpt = module
+            self.optimizer = self.adam = MasterAdam(module.parameters(), lr=lr, eps=eps)
+        self.adam.init_states()
+        self.on_forward = None  # test hook: called after each micro-batch's forward, before its backward
+
+    def named_parameters(self):
+        return self.gpt.named_parameters()
+
+    def forward_backward(self, tokens, targets, microbatches: int) -> float:
+        """Forward and backward of this rank's batch in `microbatches` micro-batches with
+        gradient accumulation; the rank's mean loss."""
+        total = 0.0
+        chunks = list(zip(tokens.chunk(microbatches), targets.chunk(microbatches)))
+        for i, (x, y) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = contextlib.nullcontext() if self.zero >= 2 or last else self.module.no_sync()
+            if self.zero == 2:  # keep the gathered parameters until the last backward (ZeRO-2)
+                self.module.set_reshard_after_backward(last)
+            with sync:
+                loss = token_loss(self.module(x), y) / len(chunks)
+                if self.on_forward is not None:
+                    self.on_forward(i)
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DataParallelStep:
+    """build_step's TrainingStep for plans with dp > 1 (tp = pp = 1)."""
+
+    def __init__(self, plan, model, device, dtype):
+        import torch.distributed as dist
+
+        if plan.tp != 1 or plan.pp != 1:
+            raise ValueError("validate.sharded_dp runs data-parallel-only plans (tp = 1, pp = 1)")
+        if plan.sp:
+            raise ValueError("sequence parallelism needs tp > 1; validate.sharded_dp runs tp = 1")
+        cfg = GPTConfig.from_spec(model, 1, plan.recompute)
+        torch.manual_seed(0)
+        gpt = GPT(cfg).to(device=device, dtype=dtype)
+        self.dp = DataParallel(gpt, plan.zero)
+        self.module, self.optimizer = self.dp.module, self.dp.optimizer
+        self.microbatches = plan.microbatches
+        g = torch.Generator().manual_seed(1)
+        rows = plan.microbatches * plan.mbs
+        data = torch.randint(model.vocab, (plan.dp * rows, cfg.seq + 1), generator=g)
+        mine = data[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+        self.tokens, self.targets = mine[:, :-1].to(device), mine[:, 1:].to(device)
+
+    def run(self) -> float:
+        loss = self.dp.forward_backward(self.tokens, self.targets, self.microbatches)
+        self.dp.step()
+        return loss
+
+
+def build_step(plan, model, device, dtype) -> DataParallelStep:
+    """The data-parallel training step of `plan` on this rank (see validate.steps)."""
+    return DataParallelStep(plan, model, device, dtype)
