@@ -164,20 +164,41 @@ class Device:
 
     # --- memory ---
     def reset_peak_memory(self) -> None:
+        """Start a new peak. On CPU: hand freed heap pages back (malloc_trim) and reset the
+        kernel's resident-set high-water mark (/proc/self/clear_refs), so the peak that follows
+        counts what is in use from now on, not what setting up once touched."""
         if self._module is not None:
             self._module.reset_peak_memory_stats(self.index)
+            return
+        _trim_heap()
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        except OSError:
+            pass  # not Linux: the peak stays the process's lifetime peak
+
+    def memory_in_use_bytes(self) -> int:
+        """Bytes allocated on the device now; on CPU the resident set after trimming the heap."""
+        if self._module is not None:
+            return int(self._module.memory_allocated(self.index))
+        _trim_heap()
+        return _proc_status_bytes("VmRSS") or 0
 
     def peak_memory_bytes(self) -> int:
         """Peak bytes allocated on the device since the last reset; on CPU the process's peak
-        resident set (which cannot be reset)."""
+        resident set since the last reset (Linux; elsewhere since the process started)."""
         if self._module is not None:
             return int(self._module.max_memory_allocated(self.index))
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return _proc_status_bytes("VmHWM") or int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
     def memory_bytes(self) -> int:
         if self._module is not None:
             return int(self._module.get_device_properties(self.index).total_memory)
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    def allocation_peak(self) -> "AllocationPeak":
+        """Context manager: the peak of bytes the allocator holds inside it, over what it held at entry."""
+        return AllocationPeak(self)
 
     def name(self) -> str:
         if self._module is not None:
@@ -186,6 +207,53 @@ class Device:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "index": self.index, "name": self.name(), "memory_bytes": self.memory_bytes()}
+
+
+class AllocationPeak:
+    """Peak allocated bytes over a region, counted from what was allocated at its start.
+
+    GPU and XPU: the caching allocator's max_memory_allocated after a reset. CPU: torch keeps no
+    CPU allocator statistics, so the profiler records every allocation and free with the running
+    total torch's CPU allocator holds ('Total Allocated' of its [memory] events); the peak is the
+    largest. Either way it is what tensors occupy, not the runtime's own memory or heap slack."""
+
+    def __init__(self, device: "Device"):
+        self.device, self.bytes = device, None
+
+    def __enter__(self):
+        dev = self.device
+        if dev._module is not None:
+            dev.sync()
+            self._start = dev._module.memory_allocated(dev.index)
+            dev._module.reset_peak_memory_stats(dev.index)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        dev = self.device
+        if dev._module is not None:
+            dev.sync()
+            self.bytes = int(dev._module.max_memory_allocated(dev.index) - self._start)
+            return
+        self._profile.__exit__(*exc)
+        if exc[0] is None:
+            self.bytes = _profiled_peak(self._profile)
+
+
+def _profiled_peak(prof) -> int:
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        events = json.load(open(fh.name))["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+              and e.get("args", {}).get("Device Type", 0) == 0]
+    return int(max(totals, default=0))
 
 
 class WallTimer:
@@ -215,6 +283,28 @@ class EventTimer:
 
 
 Timer = WallTimer | EventTimer
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim: return free heap memory to the system (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A kB field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _cpu_name() -> str:

@@ -27,6 +27,15 @@ class MasterAdam(torch.optim.Optimizer):
     def _local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
+    @staticmethod
+    def _as_param(p, grad):
+        """The gradient laid out like its parameter: a DTensor gradient can come back with other
+        placements (a sharded embedding's gradient replicated, say) and must be re-sharded."""
+        placements = getattr(p, "placements", None)
+        if placements is not None and tuple(grad.placements) != tuple(placements):
+            return grad.redistribute(placements=placements)
+        return grad
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master weights and moments)."""
         return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
@@ -58,7 +67,7 @@ class MasterAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
-                grad = self._local(p.grad).to(torch.float32)
+                grad = self._local(self._as_param(p, p.grad)).to(torch.float32)
                 master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 t = float(state["step"])

@@ -1,0 +1,81 @@
+"""Bytes a whole training step sends, by parallel dimension, summed over every device.
+
+The volumes behind the times of stage.py and data_parallel.py, in the ring convention of
+tensor_parallel.sent_bytes (an all-reduce member sends 2 (n-1)/n of the buffer, an all-gather or
+reduce-scatter member (n-1)/n). The validation harness counts what a real step sends and compares
+it with these numbers (docs/equations.md, section 10).
+"""
+
+from __future__ import annotations
+
+from perfsim.cost import tensor_parallel as tpc
+from perfsim.cost.columns import columns_of
+from perfsim.cost.layer import BF16
+from perfsim.cost.memory import stage_params
+from perfsim.spec.model import ModelSpec
+from perfsim.spec.plan import Plan
+from perfsim.spec.system import System
+
+
+def _tp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+    """Bytes one tensor-parallel group sends for one micro-batch through every layer, the
+    embedding and the head (all members together)."""
+    c = columns_of(plan)
+    layout = tpc.layout_of(model, c)
+    b, vocab = plan.mbs, model.padded_vocab(plan.tp)
+    fwd, bwd = tpc.layer_collectives(layout, model, b)
+    layer = fwd + bwd + (fwd if plan.recompute == "full" else [])
+    edges = [x for pair in (tpc.embedding_collectives(layout, model, b), tpc.head_collectives(layout, model, b, vocab))
+             for x in pair[0] + pair[1]]
+    member = model.layers * tpc.collectives_sent_bytes(layout, layer) + tpc.collectives_sent_bytes(layout, edges)
+    return plan.tp * float(member)
+
+
+def _pp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+    """Activations forward and their gradients backward across the p v - 1 chunk boundaries of
+    one micro-batch, each tensor-parallel member sending its 1/t share; in 1d without SP the
+    receiving group all-gathers the shares again (stage.py)."""
+    if plan.pp == 1:
+        return 0.0
+    activation = BF16 * plan.mbs * model.seq * model.hidden
+    hops = plan.pp * plan.vpp - 1
+    regather = plan.tp * tpc.sent_bytes(tpc.ALL_GATHER, activation, plan.tp) \
+        if plan.tp_mode == "1d" and not plan.sp else 0.0
+    return 2 * hops * (activation + regather)
+
+
+def _dp_per_device(system: System, plan: Plan, params: float) -> float:
+    """Bytes one device sends per step for data parallelism over `params` parameters
+    (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight all-gather; ZeRO-2 a
+    reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch two weight
+    all-gathers (three with full recomputation) and a reduce-scatter)."""
+    d = plan.dp
+    if d == 1:
+        return 0.0
+    grads = system.framework.grad_bytes_per_param * params
+    weights = BF16 * params
+    rs = tpc.sent_bytes(tpc.REDUCE_SCATTER, grads, d)
+    ag = tpc.sent_bytes(tpc.ALL_GATHER, weights, d)
+    m = plan.microbatches
+    if plan.zero == 0:
+        return tpc.sent_bytes(tpc.ALL_REDUCE, grads, d)
+    if plan.zero == 1:
+        return rs + ag
+    if plan.zero == 2:
+        return m * rs + ag
+    return m * ((3 if plan.recompute == "full" else 2) * ag + rs)
+
+
+def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:
+    """{"tp", "pp", "dp", "total"}: bytes the whole job sends in one step."""
+    m = plan.microbatches
+    tp = plan.dp * m * _tp_per_microbatch(model, plan)  # every layer once per pipeline
+    pp = plan.dp * m * _pp_per_microbatch(model, plan)
+    c = columns_of(plan)
+    per_stage = [float(stage_params(model, c, s)) for s in ("first", "middle", "last")]
+    stages = per_stage[:1] if plan.pp == 1 else [per_stage[0]] + [per_stage[1]] * (plan.pp - 2) + [per_stage[2]]
+    dp = plan.tp * plan.dp * sum(_dp_per_device(system, plan, p) for p in stages)
+    if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
+        word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
+        pp += plan.tp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
+    return {"tp": tp, "pp": pp, "dp": dp, "total": tp + pp + dp}

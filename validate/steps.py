@@ -1,0 +1,256 @@
+"""Real training steps timed and counted, one plan per launch (`perfsim validate --device D --nproc N`).
+
+Run as ranks (`python -m validate.steps OUT.json --plan JSON --model SPEC ...`, launched by
+validate.campaign.launch_ranks or mpiexec). Every rank builds the plan's training step
+(build_step: 1d / 1d+SP here, 2d / 2.5d / 3d in validate.multidim, pipelines in validate.pipeline,
+data parallelism in validate.sharded_dp) and runs it once while the allocator's peak is recorded
+(Device.allocation_peak), then `warmup - 1` more untimed steps, then times `steps` steps (each the
+slowest rank's time between two barriers), and finally runs one more step
+under the counters: matrix FLOPs (LocalFlopCounter), bytes sent per collective kind
+(CollectiveCounter) and the peak of live bytes saved for backward (SavedActivationCounter). Rank 0
+writes one JSON object; the command side (perfsim/commands/validate.py) predicts the same plan and
+appends both to the ledger.
+
+A collective that never completes (a rank that hangs or dies) raises after `timeout` seconds
+(the process group's timeout), so the launch ends with an error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import weakref
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang" or "die" makes the last rank fail in its first step
+
+
+class SavedActivationCounter:
+    """Peak bytes of live tensors saved for backward (torch.autograd.graph.saved_tensors_hooks).
+
+    A storage is counted once however many saved tensors view it, from the first save until the
+    last tensor saved from it dies (the autograd graph releases saved tensors as backward runs,
+    or when the graph is freed). Parameters, and views of them, are weights, not activations."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._refs: dict = {}  # storage address -> [saved tensors alive, bytes]
+
+    def _release(self, key):
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def _pack(self, t):
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad or t.device.type == "meta":
+            return t
+        local = getattr(t, "_local_tensor", t)  # a DTensor's memory is its local shard
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._refs:
+            self._refs[key] = [0, storage.nbytes()]
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key][0] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+class TensorParallelStep:
+    """One optimizer step of validate.gpt's GPT under 1d tensor parallelism (optionally with SP),
+    or unsharded on a single rank."""
+
+    def __init__(self, plan, model, device, dtype):
+        import torch
+        import torch.distributed as dist
+
+        from validate.gpt import GPT, GPTConfig, parallelize
+        from validate.optim import MasterAdam
+
+        if plan.pp != 1 or plan.dp != 1 or plan.tp_mode != "1d":
+            raise ValueError("TensorParallelStep runs 1d tensor parallelism only (pp = dp = 1)")
+        cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute)
+        if plan.tp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("a plan on one device needs --nproc 1")
+        # Built without storage and sharded first, so a rank never holds the whole model
+        # (Megatron builds only its shard); then given memory and initialised in place.
+        with torch.device("meta"):
+            net = GPT(cfg).to(dtype=dtype)
+        if plan.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            parallelize(net, init_device_mesh(device.type, (plan.tp,)), plan.sp)
+        net.to_empty(device=device)
+        initialise(net, seed=0)
+        self.module = net
+        self.optimizer = MasterAdam(net.parameters())
+        self.optimizer.init_states()
+        self.batches = synthetic_batches(plan.microbatches, plan.mbs, cfg.seq, cfg.vocab, device, seed=1)
+
+    def run(self) -> float:
+        total = 0.0
+        for tokens, targets in self.batches:
+            loss = self.module.loss(tokens, targets) / len(self.batches)
+            self.module.backward(loss)
+            total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+        self.module.finish_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def initialise(module, seed: int) -> None:
+    """GPT-style initial values for a model materialised from the meta device: weights N(0, 0.02),
+    biases 0, LayerNorm weights 1 (each rank draws its own shard: values differ from an unsharded
+    model's, which the timing run does not need)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if name.endswith("bias"):
+                local.zero_()
+            elif ".ln" in name or name.startswith("ln"):
+                local.fill_(1.0)
+            else:
+                local.copy_(torch.randn(local.shape, generator=g) * 0.02)
+
+
+def synthetic_batches(count, mbs, seq, vocab, device, seed):
+    """`count` (tokens, next tokens) micro-batches of `mbs` sequences from a seeded generator:
+    the same on every rank that passes the same seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(vocab, (count, mbs, seq + 1), generator=g)
+    return [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
+
+
+def build_step(plan, model, device, dtype):
+    """The training step of `plan` on this rank (torch.distributed already initialised)."""
+    if plan.pp > 1:
+        from validate.pipeline import build_step as build
+    elif plan.dp > 1:
+        from validate.sharded_dp import build_step as build
+    elif plan.tp_mode != "1d":
+        from validate.multidim import build_step as build
+    else:
+        build = TensorParallelStep
+    return build(plan, model, device, dtype)
+
+
+def _inject_fault(rank: int, world: int) -> None:
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and rank == world - 1:
+        if fault == "die":
+            os._exit(3)
+        if fault == "hang":
+            time.sleep(10**6)
+
+
+def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
+            threads: int | None = None) -> dict:
+    """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from validate.campaign import rank_environment
+    from validate.device import Device, distributed_backend
+    from validate.instrument import CollectiveCounter, LocalFlopCounter
+
+    ranks = rank_environment()
+    dev = Device(device_kind, ranks.local_rank, threads)
+    dist.init_process_group(distributed_backend(device_kind), rank=ranks.rank, world_size=ranks.world,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": dev.torch_device} if device_kind != "cpu" else {}))
+    if ranks.world != plan.devices:
+        raise ValueError(f"the plan uses {plan.devices} devices but {ranks.world} ranks were started")
+    dtype = getattr(torch, DTYPES[dtype_name])
+    # Peak memory: what the allocator holds while the step is built and runs its first time
+    # (optimizer states exist from the start, so later steps peak no higher).
+    with dev.allocation_peak() as allocated:
+        step = build_step(plan, model, dev.torch_device, dtype)
+        _inject_fault(ranks.rank, ranks.world)
+        losses = [step.run()]
+    def job(values, op):
+        t = torch.tensor(values, dtype=torch.float64, device=dev.torch_device if device_kind != "cpu" else "cpu")
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    elapsed = []
+    for _ in range(warmup - 1 + steps):
+        dist.barrier()
+        dev.sync()
+        start = time.perf_counter()
+        losses.append(step.run())
+        dev.sync()
+        elapsed.append(time.perf_counter() - start)
+    times = job(elapsed[warmup - 1:], dist.ReduceOp.MAX)
+    peak = allocated.bytes
+
+    flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedActivationCounter()
+    with flops, comms, saved.hooks():
+        step.run()
+    sent = comms.by_kind()
+    kinds = sorted({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send"} | set(sent))
+    summed = job([float(flops.total())] + [sent.get(k, 0.0) for k in kinds], dist.ReduceOp.SUM)
+    maxed = job([float(peak), float(saved.peak)], dist.ReduceOp.MAX)
+    result = {
+        "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
+        "step_times_s": times, "step_time_s": statistics.median(times),
+        "losses": losses, "rank": ranks.rank,
+        "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
+        "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),
+        "comm_bytes": sum(summed[1:]),
+    }
+    dist.barrier()  # nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+    return result
+
+
+def main(argv=None) -> int:
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+
+    p = argparse.ArgumentParser(prog="python -m validate.steps", description=__doc__.splitlines()[0])
+    p.add_argument("out", help="JSON file rank 0 writes")
+    p.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
+    p.add_argument("--model", required=True, help="perfsim model spec")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "xpu"))
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps, the first measuring memory (at least 1)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1")
+    plan = Plan(**json.loads(args.plan))
+    result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
+                     args.timeout, args.threads)
+    if result.pop("rank") == 0:
+        tmp = args.out + ".part"
+        with open(tmp, "w") as fh:
+            json.dump(result, fh)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The timing run of `perfsim validate --device D --nproc N`: every plan measured on real ranks
+(validate.steps), predicted by perfsim with the device's calibrated profile, and both kept in the
+ledger. This side does not import torch; the ranks do.
+
+A plan already in the ledger (same model, plan, dtype, steps, device and rank count) is not run
+again, so an interrupted run resumes where it stopped and nothing measured is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+from perfsim.errors import PerfsimError
+
+DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
+DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def default_plans(nproc: int, mbs: int = 2) -> list:
+    """At least 12 plans over `nproc` devices: 1d tensor parallelism with and without SP under
+    each recompute mode, the three pipeline schedules, and ZeRO 0-3; 2d at 4 devices, 2.5d and 3d
+    at 8 (where their grids exist)."""
+    from perfsim.spec.plan import RECOMPUTE, Plan
+
+    n = nproc
+    tp = [Plan(tp=n, sp=sp, recompute=rc, mbs=mbs, gbs=2 * mbs) for sp in (False, True) for rc in RECOMPUTE]
+    pp = [Plan(pp=n, schedule=s, vpp=2 if s == "interleaved" else 1, mbs=mbs, gbs=4 * mbs)
+          for s in ("gpipe", "1f1b", "interleaved")]
+    dp = [Plan(dp=n, zero=z, mbs=mbs, gbs=2 * mbs * n) for z in range(4)]
+    grids = {4: [Plan(tp=4, tp_mode="2d", mbs=mbs, gbs=2 * mbs)],
+             8: [Plan(tp=8, tp_mode="2.5d", tp_depth=2, mbs=mbs, gbs=2 * mbs), Plan(tp=8, tp_mode="3d", mbs=mbs, gbs=2 * mbs)]}
+    plans = tp + pp + dp + grids.get(n, [])
+    return plans if n > 1 else [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE]
+
+
+def parse_plans(text: str) -> list:
+    """'tp=2,sp=true,recompute=full;pp=2,schedule=gpipe,gbs=8' -> Plans (one per ';' part)."""
+    from perfsim.spec.plan import Plan
+
+    types = {f.name: f.type for f in dataclasses.fields(Plan)}
+    plans = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = {}
+        for item in part.split(","):
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in types:
+                raise PerfsimError(f"--plans: {item.strip()!r} is not FIELD=VALUE with a plan field "
+                                   f"({', '.join(types)})")
+            kind = types[key]
+            try:
+                if kind in (int, "int"):
+                    fields[key] = int(value)
+                elif kind in (bool, "bool"):
+                    if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                        raise ValueError
+                    fields[key] = value.lower() in ("1", "true", "yes")
+                else:
+                    fields[key] = value.strip()
+            except ValueError:
+                raise PerfsimError(f"--plans: {key}={value!r} is not a valid {key}") from None
+        if fields.get("schedule") is None and fields.get("vpp", 1) > 1:
+            fields["schedule"] = "interleaved"
+        plans.append(Plan(**fields))
+    if not plans:
+        raise PerfsimError("--plans is empty; give plans such as 'tp=2,recompute=full;pp=2,gbs=8'")
+    return plans
+
+
+def plan_label(plan) -> str:
+    """Short name of what a plan varies: 'tp2 1d+sp full', 'pp2 interleaved v2', 'dp2 zero3'."""
+    parts = []
+    if plan.tp > 1:
+        parts.append(f"tp{plan.tp} {plan.tp_mode}{'+sp' if plan.sp else ''}")
+    if plan.pp > 1:
+        parts.append(f"pp{plan.pp} {plan.schedule}{f' v{plan.vpp}' if plan.vpp > 1 else ''}")
+    if plan.dp > 1:
+        parts.append(f"dp{plan.dp} zero{plan.zero}")
+    parts.append(f"rc-{plan.recompute} mbs{plan.mbs} m{plan.microbatches}")
+    return " ".join(parts)
+
+
+def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int) -> str:
+    text = json.dumps([model_spec, plan.as_dict(), dtype, steps, warmup, device, nproc], sort_keys=True)
+    return "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def harness_system(system, dtype: str):
+    """The profile as the harness trains: gradients in the parameters' dtype (validate.optim)."""
+    framework = dataclasses.replace(system.framework, grad_bytes_per_param=DTYPE_BYTES[dtype])
+    return dataclasses.replace(system, framework=framework)
+
+
+def predicted(model, system, plan, dtype: str) -> dict:
+    """What perfsim says the measured quantities are. Memory: the step's own bytes (the profile's
+    reserved_memory_bytes, the runtime the ranks hold before the step is built, left out, as the
+    measurement subtracts it)."""
+    from perfsim.cost.traffic import step_sent_bytes
+    from perfsim.predict import predict
+
+    p = predict(model, system, plan, dtype)
+    sent = step_sent_bytes(model, system, plan)
+    return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
+            "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "pp", "dp")},
+            "activation_bytes": p.memory_bytes["activations"],
+            "peak_memory_bytes": p.memory_bytes["total"] - system.framework.reserved_memory_bytes,
+            "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}
+
+
+def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
+                 timeout_s: float, threads) -> dict:
+    """Launch the ranks for one plan and return rank 0's result."""
+    from validate.campaign import launch_ranks
+
+    with tempfile.TemporaryDirectory(prefix="perfsim-validate-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        argv = ["-m", "validate.steps", out, "--plan", json.dumps(plan.as_dict()), "--model", model_spec,
+                "--device", device, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
+                "--timeout", str(timeout_s)] + (["--threads", str(threads)] if threads else [])
+        launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
+                     resume="the ledger keeps the plans already measured; run the same command again to resume")
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def _entry(plan, prediction: dict, measured: dict) -> dict:
+    """The per-plan object of `perfsim validate --json`."""
+    def pair(name, other="measured", key=None):
+        return {"predicted": prediction[name], other: measured[key or name]}
+
+    return {"plan": plan.as_dict(), "label": plan_label(plan),
+            "step_time_s": pair("step_time_s"), "flops": pair("flops", "counted"),
+            "comm_bytes": pair("comm_bytes", "counted"), "activation_bytes": pair("activation_bytes", "counted"),
+            "peak_memory_bytes": pair("peak_memory_bytes"),
+            "comm_bytes_predicted_by_dimension": prediction["comm_bytes_by_dimension"],
+            "comm_bytes_counted_by_kind": measured["comm_bytes_by_kind"],
+            "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"]}
+
+
+def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
+              steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
+              threads=None, progress=None) -> list:
+    """Measure (or read back from the ledger) and predict every plan; the `--json` list."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import plan_problems
+    from perfsim.spec.system import load_system
+    from validate.ledger import Ledger
+
+    progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+    model = load_model(model_spec)
+    system = harness_system(load_system(system_name), dtype)
+    for plan in plans:
+        problems = plan_problems(plan, model, nproc)
+        if problems:
+            raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
+    ledger_path = ledger_path or f"validation-{device}.jsonl"
+    results = []
+    with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}) as ledger:
+        earlier = {}
+        if ledger.keys:
+            from perfsim.calibrate import read_ledger
+
+            earlier = {r["key"]: r for r in read_ledger(ledger_path)[0]}
+        for i, plan in enumerate(plans, 1):
+            key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc)
+            prediction = predicted(model, system, plan, dtype)
+            if key in earlier:
+                measured, source = earlier[key]["measured"], "from the ledger"
+            else:
+                measured = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads)
+                ledger.append({"key": key, "suite": "step", "op": "training_step", "dtype": dtype,
+                               "model": model_spec, "plan": plan.as_dict(), "steps": steps, "warmup": warmup,
+                               "measured": measured, "predicted": prediction, "system": system.name})
+                source = "measured"
+            entry = _entry(plan, prediction, measured)
+            results.append(entry)
+            st = entry["step_time_s"]
+            progress(f"[{i}/{len(plans)}] {entry['label']}: {source} {st['measured']:.3f} s, "
+                     f"predicted {st['predicted']:.3f} s ({100 * (st['predicted'] / st['measured'] - 1):+.1f}%)")
+    return results
+
+
+def _error(pred, real):
+    return None if not real else pred / real - 1
+
+
+def summary(results: list) -> dict:
+    """Mean absolute relative error of each compared quantity over the plans."""
+    out = {}
+    for name, other in (("step_time_s", "measured"), ("peak_memory_bytes", "measured"), ("flops", "counted"),
+                        ("comm_bytes", "counted"), ("activation_bytes", "counted")):
+        errors = [abs(e) for r in results if (e := _error(r[name]["predicted"], r[name][other])) is not None]
+        out[name] = sum(errors) / len(errors) if errors else None
+    return out
+
+
+def format_table(results: list) -> str:
+    def pct(pred, real):
+        e = _error(pred, real)
+        return "     -" if e is None else f"{100 * e:+6.1f}%"
+
+    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}  {'peak MB':>8}{'pred':>8}{'err':>8}"
+            f"  {'flops':>7}{'comm':>7}{'saved':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        st, mem = r["step_time_s"], r["peak_memory_bytes"]
+        lines.append(
+            f"{r['label']:<34}{st['measured']:>8.3f}{st['predicted']:>8.3f}{pct(st['predicted'], st['measured']):>8}"
+            f"  {mem['measured'] / 1e6:>8.1f}{mem['predicted'] / 1e6:>8.1f}{pct(mem['predicted'], mem['measured']):>8}"
+            f"  {pct(r['flops']['predicted'], r['flops']['counted']):>7}"
+            f"{pct(r['comm_bytes']['predicted'], r['comm_bytes']['counted']):>7}"
+            f"{pct(r['activation_bytes']['predicted'], r['activation_bytes']['counted']):>7}")
+    s = summary(results)
+    fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    lines.append("")
+    lines.append(f"mean |error| over {len(results)} plans: step time {fmt(s['step_time_s'])}, peak memory "
+                 f"{fmt(s['peak_memory_bytes'])}, FLOPs {fmt(s['flops'])}, bytes sent {fmt(s['comm_bytes'])}, "
+                 f"saved activations {fmt(s['activation_bytes'])}")
+    return "\n".join(lines)
