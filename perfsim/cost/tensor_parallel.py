@@ -225,7 +225,9 @@ def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, 
                     Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
         return forward, backward
     forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab)
-    axis = "output" if layout.mode == "3d" else "row"
+    # the axis that splits the logits' vocabulary: the output block of a first linear lies along
+    # `row` in 2d/2.5d and along `input` in 3d (section 4.1); its tokens are those of that block
+    axis = "input" if layout.mode == "3d" else "row"
     local_tokens = tokens * layout.axes[axis][0] / layout.size
     return forward + [Collective(ALL_REDUCE, FP32 * local_tokens, 3, axis)], backward
 
