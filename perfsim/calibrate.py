@@ -350,16 +350,20 @@ _CLASS_KEYS = {  # link class -> (bandwidth key, latency key, efficiency key)
 }
 
 
-def _with_links(system, links: dict):
-    """System whose link classes have bus bandwidth (efficiency folded in) and latency `links`."""
+def _with_links(system, links: dict, factors: dict | None = None):
+    """System whose link classes have bus bandwidth (efficiency folded in) and latency `links`, and
+    whose operations have the factors {op: (efficiency, latency factor)} (none: no operation factors)."""
     node, network = {}, {}
     for cls, (bw, lat) in links.items():
         (bw_key, lat_key, _) = _CLASS_KEYS[cls]
         target = network if bw_key.startswith("network") else node
         target[bw_key.split(".", 1)[1]] = bw
         target[lat_key.split(".", 1)[1]] = lat
-    efficiencies = {_CLASS_KEYS[c][2].split(".", 1)[1]: 1.0 for c in links}
-    return _replace(system, node=node, network=network, collectives=efficiencies)
+    collectives = {_CLASS_KEYS[c][2].split(".", 1)[1]: 1.0 for c in links}
+    factors = factors or {}
+    collectives["operation_efficiency"] = tuple((op, factors[op][0]) for op in COLLECTIVE_OPS if op in factors)
+    collectives["operation_latency_factor"] = tuple((op, factors[op][1]) for op in COLLECTIVE_OPS if op in factors)
+    return _replace(system, node=node, network=network, collectives=collectives)
 
 
 def _bus(system, cls):
@@ -386,8 +390,12 @@ def collective_times(system, records):
     return out
 
 
+_LINK_BOUNDS = ([math.log(1e5), math.log(1e-9)], [math.log(1e14), math.log(1.0)])  # bus bandwidth, latency
+_FACTOR_BOUNDS = ([math.log(1e-3)] * 2, [math.log(1e3)] * 2)  # an operation's efficiency, latency factor
+
+
 def _fit_links(system, fit, classes):
-    """Fitted {class: (bus bandwidth, latency)} over the records `fit`."""
+    """Fitted {class: (bus bandwidth, latency)} over the records `fit`, no operation factors."""
     t = _median(fit)
     x0 = []
     for cls in classes:
@@ -397,10 +405,94 @@ def _fit_links(system, fit, classes):
     def links(x):
         return {cls: (math.exp(x[2 * i]), math.exp(x[2 * i + 1])) for i, cls in enumerate(classes)}
 
-    lo = [math.log(1e5), math.log(1e-9)] * len(classes)
-    hi = [math.log(1e14), math.log(1.0)] * len(classes)
+    lo, hi = _LINK_BOUNDS[0] * len(classes), _LINK_BOUNDS[1] * len(classes)
     x = _least_squares(lambda x: np.log(collective_times(_with_links(system, links(x)), fit) / t), x0, (lo, hi))
     return links(x)
+
+
+def _fit_operations(system, fit, classes, start: dict):
+    """Per link class (bus bandwidth, latency) and per measured operation (efficiency, latency
+    factor), fitted together over `fit` from the class fit `start`. Only products are identifiable,
+    so the first operation is pinned to (1, 1) while fitting; afterwards the factors are rescaled
+    (the class numbers inversely) so that the fastest operation has efficiency 1 (the class
+    bandwidth is what the best operation reaches, and every efficiency is a fraction, as the
+    profile requires) and send/recv, where measured, has latency factor 1 (the class latency is
+    one point-to-point message; else the smallest factor is 1)."""
+    t = _median(fit)
+    ops = [op for op in COLLECTIVE_OPS if any(r["op"] == op for r in fit)]
+    x0 = []
+    for cls in classes:
+        bw, lat = start[cls]
+        x0 += [math.log(bw), math.log(max(lat, 1e-7))]
+    x0 += [0.0, 0.0] * (len(ops) - 1)
+
+    def unpack(x):
+        links = {cls: (math.exp(x[2 * i]), math.exp(x[2 * i + 1])) for i, cls in enumerate(classes)}
+        factors = {ops[0]: (1.0, 1.0)}
+        for j, op in enumerate(ops[1:]):
+            k = 2 * len(classes) + 2 * j
+            factors[op] = (math.exp(x[k]), math.exp(x[k + 1]))
+        return links, factors
+
+    lo = _LINK_BOUNDS[0] * len(classes) + _FACTOR_BOUNDS[0] * (len(ops) - 1)
+    hi = _LINK_BOUNDS[1] * len(classes) + _FACTOR_BOUNDS[1] * (len(ops) - 1)
+    x = _least_squares(lambda x: np.log(collective_times(_with_links(system, *unpack(x)), fit) / t), x0, (lo, hi))
+    links, factors = unpack(x)
+    best = max(e for e, _ in factors.values())
+    quickest = factors["send"][1] if "send" in factors else min(f for _, f in factors.values())
+    links = {cls: (bw * best, lat * quickest) for cls, (bw, lat) in links.items()}
+    factors = {op: (min(1.0, e / best), f / quickest) for op, (e, f) in factors.items()}
+    return links, factors
+
+
+def _neighbour_check(fit, held):
+    """A model-free look at the measurements' own scatter: each point predicted from the fitted
+    points of the same operation, dtype and group nearest in size below and above it (log-log
+    interpolation; the one neighbour's time at the ends), leaving the point itself out. The
+    MAPE this reaches is about the floor any smooth model of size can reach on these points."""
+    series: dict = {}
+    for r in fit:
+        series.setdefault((r["op"], r["dtype"], tuple(r["group"])), []).append(r)
+    for rows in series.values():
+        rows.sort(key=lambda r: r["nbytes"])
+
+    def guess(r):
+        rows = [x for x in series.get((r["op"], r["dtype"], tuple(r["group"])), []) if x is not r]
+        below = [x for x in rows if x["nbytes"] < r["nbytes"]]
+        above = [x for x in rows if x["nbytes"] > r["nbytes"]]
+        if not below and not above:
+            return None
+        if not below or not above:
+            return (below or above)[-1 if below else 0]["_t"]
+        a, b = below[-1], above[0]
+        w = math.log(r["nbytes"] / a["nbytes"]) / math.log(b["nbytes"] / a["nbytes"])
+        return math.exp((1 - w) * math.log(a["_t"]) + w * math.log(b["_t"]))
+
+    def errors(rows):
+        pairs = [(guess(r), r["_t"]) for r in rows]
+        pairs = [(p, t) for p, t in pairs if p is not None]
+        return mape([p for p, _ in pairs], [t for _, t in pairs]), len(pairs)
+
+    return Quality("collectives, model-free check: each point from its neighbour sizes (noise floor)",
+                   *errors(fit), *errors(held))
+
+
+def _repetition_spread(records) -> str | None:
+    """How far the repetitions of collective points spread (median / min per point, the median of
+    that over points, by size band): 1 on a quiet machine."""
+    bands = ((16 << 10, "up to 16 KiB"), (1 << 20, "to 1 MiB"), (16 << 20, "to 16 MiB"), (math.inf, "above"))
+    ratios: dict = {}
+    for r in records:
+        stats = r.get("stats", {})
+        low, mid = stats.get("min_s"), stats.get("median_s")
+        if isinstance(low, (int, float)) and isinstance(mid, (int, float)) and low > 0:
+            label = next(name for top, name in bands if r["nbytes"] <= top)
+            ratios.setdefault(label, []).append(mid / low)
+    if not ratios:
+        return None
+    parts = [f"{float(np.median(ratios[name])):.2f} {name}" for _, name in bands if name in ratios]
+    return ("collective repetitions, median / min of each point (median over points): " + ", ".join(parts)
+            + " (1 on a quiet machine; the fit uses the min)")
 
 
 def _algorithm_rules():
@@ -411,6 +503,10 @@ def _algorithm_rules():
     return ALGORITHMS
 
 
+def _without_operation_factors(system):
+    return _replace(system, collectives={"operation_efficiency": (), "operation_latency_factor": ()})
+
+
 def _collective_fit(records, system, ledger):
     from perfsim.cost.topology import clear_caches
 
@@ -419,62 +515,71 @@ def _collective_fit(records, system, ledger):
     if len(fit) < 2:
         return values, quality, notes, system
     classes = sorted({link_class(system, *r["group"]) for r in fit + held}, key=list(_CLASS_KEYS).index)
+    plain = _without_operation_factors(system)
     # The profile's algorithm rule (collectives.algorithm) is fitted too: each rule the model knows,
     # the base profile's first, is fitted in turn; the one that fits the fitted points best wins.
     base_rule = getattr(system.collectives, "algorithm", None)
     rules = [base_rule] + [a for a in _algorithm_rules() if a != base_rule] if base_rule else [None]
     best, tried = None, []
     for rule in rules:
-        candidate = _replace(system, collectives={"algorithm": rule}) if rule else system
+        candidate = _replace(plain, collectives={"algorithm": rule}) if rule else plain
         links = _fit_links(candidate, fit, classes)
         error = mape(collective_times(_with_links(candidate, links), fit), _median(fit))
         tried.append(f"{rule} {100 * error:.1f}%")
         if best is None or error < best[0] - 0.005:  # a clear improvement over the base rule
             best = (error, rule, candidate, links)
-    _, rule, system, fitted = best
+    _, rule, plain, class_links = best
     if len(tried) > 1:
         notes.append(f"collective algorithm rules, fit MAPE: {', '.join(tried)}; kept {rule}")
     if rule != base_rule:
         values["collectives.algorithm"] = Fitted(rule, f"the algorithm rule whose fit matches the {len(fit)} fitted "
                                                        f"collective points of ledger {ledger} best")
-    model = _with_links(system, fitted)
-    quality.append(Quality("collectives (profile: one bandwidth and latency per link class)",
-                           mape(collective_times(model, fit), _median(fit)), len(fit),
-                           mape(collective_times(model, held), _median(held)) if held else float("nan"), len(held),
+
+    def row(name, model, f, h, target=None, note=""):
+        return Quality(name, mape(collective_times(model, f), _median(f)), len(f),
+                       mape(collective_times(model, h), _median(h)) if h else float("nan"), len(h), target, note)
+
+    ops = [op for op in COLLECTIVE_OPS if any(r["op"] == op for r in fit)]
+    classes_only = _with_links(plain, class_links)
+    if len(ops) > 1:
+        # What the profile holds: the link classes and one (efficiency, latency factor) per operation.
+        fitted, factors = _fit_operations(plain, fit, classes, class_links)
+        model = _with_links(plain, fitted, factors)
+        quality.append(row("collectives (profile: per link class x per-operation factors)", model, fit, held,
                            TARGETS["collective"]))
-    # Per operation (the algorithm's own numbers): what one number per link class costs.
-    per_op_pred_fit, per_op_pred_held, per_op_fit, per_op_held = [], [], [], []
-    for op in COLLECTIVE_OPS:
-        f = [r for r in fit if r["op"] == op]
-        h = [r for r in held if r["op"] == op]
-        if len(f) < 2:
-            continue
-        op_classes = sorted({link_class(system, *r["group"]) for r in f + h}, key=list(_CLASS_KEYS).index)
-        op_links = _fit_links(model, f, op_classes)
-        op_model = _with_links(model, op_links)
-        pf, ph = collective_times(op_model, f), collective_times(op_model, h) if h else np.array([])
-        per_op_pred_fit += list(pf)
-        per_op_pred_held += list(ph)
-        per_op_fit += f
-        per_op_held += h
-        quality.append(Quality(f"  {op} (profile model)", mape(collective_times(model, f), _median(f)), len(f),
-                               mape(collective_times(model, h), _median(h)) if h else float("nan"), len(h)))
-        for cls, (bw, lat) in op_links.items():
-            common_bw, common_lat = fitted[cls]
-            notes.append(f"{op} on {cls} links: bus bandwidth {bw / 1e9:.3g} GB/s (x{bw / common_bw:.2f} of the "
-                         f"class fit), latency {lat * 1e6:.3g} us (x{lat / common_lat:.2f})")
-    if per_op_fit:
-        quality.append(Quality("collectives (per link class and operation)", mape(per_op_pred_fit, _median(per_op_fit)),
-                               len(per_op_fit), mape(per_op_pred_held, _median(per_op_held)) if per_op_held
-                               else float("nan"), len(per_op_held), TARGETS["collective"],
-                               note="not expressible in the profile format: one bandwidth per link class"))
+        for op in ops:
+            quality.append(row(f"  {op}", model, [r for r in fit if r["op"] == op], [r for r in held if r["op"] == op]))
+        quality.append(row("collectives (link classes alone, no operation factors)", classes_only, fit, held))
+        where = (f"fitted with the link classes' bandwidth and latency over {len(fit)} collective points of "
+                 f"ledger {ledger} through perfsim.cost.topology")
+        fastest = max(ops, key=lambda op: factors[op][0])
+        reference = "send/recv" if "send" in factors else min(ops, key=lambda op: factors[op][1])
+        for op in ops:
+            e, f = factors[op]
+            bandwidths = ", ".join(f"{bw * e / 1e9:.3g} GB/s on {cls} links" for cls, (bw, _) in fitted.items())
+            latencies = ", ".join(f"{lat * f * 1e6:.3g} us per step on {cls} links" for cls, (_, lat) in fitted.items())
+            values[f"collectives.operation_efficiency.{op}"] = Fitted(
+                e, f"{op}'s bus bandwidth ({bandwidths}) over the link class's, which is the fastest measured "
+                   f"operation's ({fastest}: 1); {where}")
+            values[f"collectives.operation_latency_factor.{op}"] = Fitted(
+                f, f"{op}'s latency ({latencies}) over the link class's, which is one {reference} message's "
+                   f"(factor 1); {where}")
+            notes.append(f"{op}: efficiency {e:.3g}, latency factor {f:.3g} ({bandwidths}; {latencies})")
+    else:
+        fitted, factors, model = class_links, {}, classes_only
+        quality.append(row("collectives (profile: one bandwidth and latency per link class)", model, fit, held,
+                           TARGETS["collective"]))
+    quality.append(_neighbour_check(fit, held))
+    spread = _repetition_spread(fit + held)
+    if spread:
+        notes.append(spread)
     # Split each class's bus bandwidth into link bandwidth and efficiency.
     p2p = {}
-    sends = [r for r in fit if r["op"] == "send"]
     for cls in classes:
-        rows = [r for r in sends if link_class(system, *r["group"]) == cls]
+        rows = [r for r in fit if r["op"] == "send" and link_class(system, *r["group"]) == cls]
         if len(rows) >= 2:
-            p2p[cls] = _fit_links(model, rows, [cls])[cls][0]
+            p2p[cls] = (fitted[cls][0] * factors["send"][0] if "send" in factors
+                        else _fit_links(classes_only, rows, [cls])[cls][0])
     for cls in classes:
         bw_key, lat_key, eff_key = _CLASS_KEYS[cls]
         bus, lat = fitted[cls]
@@ -482,6 +587,8 @@ def _collective_fit(records, system, ledger):
         base_kind = system.provenance.get(bw_key, ("assumed", ""))[0]
         n = sum(1 for r in fit if link_class(system, *r["group"]) == cls)
         where = f"{n} collective measurements on {cls} links in ledger {ledger}, fitted through perfsim.cost.topology"
+        if factors:
+            where += " with per-operation factors"
         if base_kind != "assumed" and bus <= base_bw:
             link_bw, how = base_bw, f"base profile's {bw_key} ({base_kind}) kept"
         elif cls in p2p:
@@ -493,7 +600,8 @@ def _collective_fit(records, system, ledger):
             values[bw_key] = Fitted(link_bw, f"bus bandwidth of {where}")
         values[eff_key] = Fitted(min(1.0, bus / link_bw),
                                  f"bus bandwidth {bus / 1e9:.4g} GB/s / link {link_bw / 1e9:.4g} GB/s ({how}); {where}")
-        values[lat_key] = Fitted(lat, f"per ring step, {where}")
+        values[lat_key] = Fitted(lat, f"per ring step" + (" (one send/recv message)" if "send" in factors else "")
+                                      + f", {where}")
     system = _apply(system, values)
     clear_caches()
     return values, quality, notes, system
@@ -532,12 +640,28 @@ def _apply(system, values: dict):
     """System with the fitted values in place, their provenance "calibrated"."""
     sections: dict = {}
     provenance = dict(system.provenance)
+    operations: dict = {}
     for key, fitted in values.items():
         section, name = key.split(".", 1)
-        sections.setdefault(section, {})[name] = fitted.value
-        if key in provenance:
+        if "." in name:  # collectives.operation_efficiency.<op>: one entry of a per-operation table
+            table, op = name.split(".")
+            operations.setdefault(table, dict(getattr(system.collectives, table)))[op] = fitted.value
+        else:
+            sections.setdefault(section, {})[name] = fitted.value
+        if not isinstance(fitted.value, str):  # plain strings (collectives.algorithm) carry no provenance
             provenance[key] = ("calibrated", fitted.source)
+    for table, entries in operations.items():
+        sections.setdefault("collectives", {})[table] = tuple((op, entries[op]) for op in COLLECTIVE_OPS if op in entries)
     return dataclasses.replace(_replace(system, **sections), provenance=provenance)
+
+
+def _profile_value(system, key: str):
+    """The value of a "section.key" (or "collectives.<table>.<op>") in a System."""
+    section, name = key.split(".", 1)
+    if "." in name:
+        table, op = name.split(".")
+        return dict(getattr(system.collectives, table)).get(op, 1.0)
+    return getattr(getattr(system, section), name)
 
 
 def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "min",
@@ -616,19 +740,20 @@ def _toml_value(value) -> str:
 def profile_toml(data: dict, header: list | None = None) -> str:
     """A profile's parsed TOML (schema, name, description, sections of tables) as TOML text."""
     lines = [f"# {h}" if h else "#" for h in (header or [])]
+    def table(name, entries, top=True):  # plain keys first, then each sub-table under its dotted name
+        plain = [f"{k} = {_toml_value(v)}" for k, v in entries.items() if not isinstance(v, dict)]
+        out = ["", f"[{name}]"] + plain if top or plain else []  # a table of tables needs no header of its own
+        for key, value in entries.items():
+            if isinstance(value, dict):
+                out += table(f"{name}.{key}", value, top=False)
+        return out
+
     for key, value in data.items():
         if not isinstance(value, dict):
             lines.append(f"{key} = {_toml_value(value)}")
     for section, entries in data.items():
-        if not isinstance(entries, dict):
-            continue
-        lines += ["", f"[{section}]"]
-        for key, value in entries.items():
-            if not isinstance(value, dict):
-                lines.append(f"{key} = {_toml_value(value)}")
-        for key, value in entries.items():
-            if isinstance(value, dict):
-                lines += ["", f"[{section}.{key}]"] + [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+        if isinstance(entries, dict):
+            lines += table(section, entries)
     return "\n".join(lines) + "\n"
 
 
@@ -644,8 +769,11 @@ def calibrated_profile(base_path: str, calibration: Calibration, ledger: str, na
         if isinstance(fitted.value, str):  # a plain-string key (collectives.algorithm): no provenance table
             data[section][item] = fitted.value
             continue
-        data[section][item] = {"value": float(f"{fitted.value:.6g}"), "provenance": "calibrated",
-                               "source": fitted.source}
+        where = data[section]
+        if "." in item:  # collectives.<table>.<op>: an entry of an optional per-operation table
+            table, item = item.split(".")
+            where = where.setdefault(table, {})
+        where[item] = {"value": float(f"{fitted.value:.6g}"), "provenance": "calibrated", "source": fitted.source}
     parse_system(data, f"calibrated profile from {ledger}")  # refuse to write a profile perfsim cannot load
     header = [f"Calibrated by `perfsim calibrate` from ledger {ledger} on "
               f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; base profile "
@@ -669,12 +797,11 @@ def format_quality_row(q: Quality) -> str:
 def format_report(calibration: Calibration, base) -> str:
     lines = ["fitted values (calibrated):"]
     for key, fitted in calibration.values.items():
-        section, item = key.split(".", 1)
-        old = getattr(getattr(base, section), item)
+        old = _profile_value(base, key)
         if isinstance(fitted.value, str):
-            lines.append(f"  {key:<36} {fitted.value:<12} (base {old})")
+            lines.append(f"  {key:<48} {fitted.value:<12} (base {old})")
         else:
-            lines.append(f"  {key:<36} {fitted.value:<12.4g} (base {old:.4g})")
+            lines.append(f"  {key:<48} {fitted.value:<12.4g} (base {old:.4g})")
     lines.append("fit quality, mean absolute percentage error:")
     lines += [f"  {format_quality_row(q)}" for q in calibration.quality]
     if calibration.notes:

@@ -214,3 +214,80 @@ def test_multi_node_links_and_the_algorithm_rule_are_fitted():
     assert fitted.provenance["collectives.network_efficiency"][0] == "calibrated"
     row = next(q for q in calibration.quality if q.name.startswith("collectives (profile"))
     assert row.held_mape < 0.05
+
+
+def _with_factors(system, eff: dict, lat: dict):
+    ops = cal.COLLECTIVE_OPS
+    return dataclasses.replace(system, collectives=dataclasses.replace(
+        system.collectives, operation_efficiency=tuple((op, eff[op]) for op in ops if op in eff),
+        operation_latency_factor=tuple((op, lat[op]) for op in ops if op in lat)))
+
+
+# gloo-like (docs/calibration.md): every operation its own speed, none reaching the link (the
+# fitted profile puts the fastest at efficiency 1 and send/recv at latency factor 1)
+GLOO_EFF = {"all_reduce": 0.25, "all_gather": 0.14, "reduce_scatter": 0.1, "broadcast": 0.6, "reduce": 0.3, "send": 0.8}
+GLOO_LAT = {"all_reduce": 3.0, "all_gather": 4.0, "reduce_scatter": 8.0, "broadcast": 2.8, "reduce": 4.6, "send": 2.0}
+
+
+def test_per_operation_factors_are_found_back_and_written(tmp_path):
+    base, plain_truth = _truth()
+    truth = _with_factors(plain_truth, GLOO_EFF, GLOO_LAT)
+    records = [r for r in synthetic_records(truth) if r["suite"] == "collective"]
+    calibration = cal.fit(records, base, "ops.jsonl")
+    fitted, v = calibration.system, {k: f.value for k, f in calibration.values.items()}
+    bus = fitted.node.node_link_bandwidth_Bps * fitted.collectives.node_efficiency
+    latency = fitted.node.node_link_latency_s
+    # normalised: the fastest op (send, 0.8) has efficiency 1, send's latency factor is 1 ...
+    assert v["collectives.operation_efficiency.send"] == 1.0
+    assert v["collectives.operation_latency_factor.send"] == pytest.approx(1.0)
+    assert bus == pytest.approx(0.8 * 2e9, rel=0.05) and latency == pytest.approx(2.0 * 80e-6, rel=0.1)
+    # ... and what each operation gets is the truth's
+    for op in cal.COLLECTIVE_OPS:
+        e, f = fitted.collectives.operation_factors(op)
+        assert (e, f) == (v[f"collectives.operation_efficiency.{op}"], v[f"collectives.operation_latency_factor.{op}"])
+        assert bus * e == pytest.approx(2e9 * GLOO_EFF[op], rel=0.05), op
+        assert latency * f == pytest.approx(80e-6 * GLOO_LAT[op], rel=0.15), op
+    rows = {q.name: q for q in calibration.quality}
+    profile = rows["collectives (profile: per link class x per-operation factors)"]
+    assert profile.held_points > 0 and profile.held_mape < 0.05 and profile.passed
+    assert rows["collectives (link classes alone, no operation factors)"].held_mape > 0.3  # what the factors buy
+    assert all(rows[f"  {op}"].held_mape < 0.06 for op in cal.COLLECTIVE_OPS)
+
+    text = cal.calibrated_profile(base.path, calibration, "ops.jsonl", "cpu-ops", "a test profile")
+    out = tmp_path / "cpu-ops.toml"
+    out.write_text(text)
+    system = load_system(str(out))
+    assert "[collectives.operation_efficiency.reduce_scatter]" in text and "[collectives.operation_efficiency]" not in text
+    for op in cal.COLLECTIVE_OPS:
+        for table in ("operation_efficiency", "operation_latency_factor"):
+            kind, source = system.provenance[f"collectives.{table}.{op}"]
+            assert kind == "calibrated" and "ops.jsonl" in source
+    assert system.collectives.operation_factors("reduce_scatter") == pytest.approx(
+        fitted.collectives.operation_factors("reduce_scatter"), rel=1e-5)
+    # the written profile predicts the measurements as the fit did
+    assert cal.mape(cal.collective_times(system, records), [r["stats"]["median_s"] for r in records]) < 0.05
+    # fitting again from the calibrated profile (it has factors already) gives the same factors
+    again = cal.fit(records, system, "ops.jsonl").system
+    for op in cal.COLLECTIVE_OPS:
+        assert again.collectives.operation_factors(op) == pytest.approx(fitted.collectives.operation_factors(op), rel=0.02)
+
+
+def test_one_measured_operation_writes_no_operation_factors():
+    base, truth = _truth()
+    records = [r for r in synthetic_records(truth) if r["suite"] == "collective" and r["op"] == "all_reduce"]
+    calibration = cal.fit(records, base, "ar.jsonl")
+    assert not any(".operation_" in key for key in calibration.values)
+    assert calibration.system.collectives.operation_efficiency == ()
+    row = next(q for q in calibration.quality if q.name.startswith("collectives (profile"))
+    assert row.name == "collectives (profile: one bandwidth and latency per link class)" and row.held_mape < 0.05
+
+
+def test_model_free_check_is_exact_on_a_power_law_and_sees_scatter():
+    rows = [{"op": "all_reduce", "dtype": "fp32", "group": [2, 1], "nbytes": 1 << e, "_t": 1e-6 * (1 << e) ** 0.7}
+            for e in range(10, 28)]
+    fit, held = rows[::2], rows[1::2]
+    q = cal._neighbour_check(fit, held[:-1])  # the last held point lies beyond the fitted ones: an edge
+    assert q.held_mape == pytest.approx(0.0, abs=1e-12) and q.held_points == len(held) - 1
+    assert q.fit_mape > 0  # the fitted points' own check leaves each out: the two ends are edges
+    bumpy = [{**r, "_t": r["_t"] * (1.3 if i % 2 else 1.0)} for i, r in enumerate(rows)]
+    assert cal._neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)

@@ -24,12 +24,26 @@ def _raw(path):
         return tomllib.load(fh)
 
 
+OPERATION_TABLES = ("operation_efficiency", "operation_latency_factor")  # optional, in [collectives]
+
+
 def _numbers(raw):
-    """(section, key, table) for every number-with-provenance table in a raw profile."""
+    """(section, key, table) for every number-with-provenance table in a raw profile; an entry of a
+    per-operation table comes as ("collectives", "operation_efficiency.all_reduce", table)."""
     for section in SECTIONS:
         for key, entry in raw[section].items():
-            if isinstance(entry, dict):
+            if section == "collectives" and key in OPERATION_TABLES:
+                for op, item in entry.items():
+                    yield section, f"{key}.{op}", item
+            elif isinstance(entry, dict):
                 yield section, key, entry
+
+
+def _loaded(system, section, key):
+    if "." in key:
+        table, op = key.split(".")
+        return dict(getattr(system.collectives, table))[op]
+    return getattr(getattr(system, section), key)
 
 
 def test_the_expected_profiles_exist():
@@ -71,9 +85,11 @@ def test_loaded_values_and_provenance_match_the_file(path):
         for f in dataclasses.fields(obj):
             if f.type in ("float", "int", float, int):
                 numeric_fields.add(f"{section}.{f.name}")
+    for table in OPERATION_TABLES:  # the operations a profile names, each with its provenance
+        numeric_fields |= {f"collectives.{table}.{op}" for op, _ in getattr(system.collectives, table)}
     assert set(system.provenance) == numeric_fields  # every numeric field, nothing else
     for section, key, entry in _numbers(raw):
-        assert getattr(getattr(system, section), key) == entry["value"]
+        assert _loaded(system, section, key) == entry["value"]
         assert system.provenance[f"{section}.{key}"] == (entry["provenance"], entry["source"])
 
 
@@ -88,6 +104,10 @@ def test_profile_values_are_physically_sane(path):
     for eff in (c.card_efficiency, c.node_efficiency, c.network_efficiency):
         assert 0 < eff <= 1
     assert c.algorithm in ("auto", "ring", "tree", "hierarchical")
+    for op, value in c.operation_efficiency:
+        assert op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send") and 0 < value <= 1
+    for op, value in c.operation_latency_factor:
+        assert 0 < value < 100, (op, value)
     assert s.network.oversubscription >= 1
 
 

@@ -622,3 +622,133 @@ def test_cached_time_lines_equal_the_fastest_listed_algorithm(name, rule):
         for op in ("all_reduce", "reduce_scatter", "broadcast"):
             listed = np.min([np.broadcast_to(t, sizes.shape) for t, _ in model._options(op, sizes, g, s)], axis=0)
             assert model._time(op, sizes, g, s) == pytest.approx(listed, rel=1e-12)
+
+
+# --- per-operation factors (collectives.operation_efficiency, collectives.operation_latency_factor) ---
+
+def with_operation_factors(system, efficiency=None, latency_factor=None):
+    from dataclasses import replace
+    ops = topology.OPERATIONS
+    return replace(system, collectives=replace(
+        system.collectives,
+        operation_efficiency=tuple((op, (efficiency or {})[op]) for op in ops if op in (efficiency or {})),
+        operation_latency_factor=tuple((op, (latency_factor or {})[op]) for op in ops if op in (latency_factor or {}))))
+
+
+OPERATION_SHAPES = [(2, 1), (8, 1), (4, 2), (64, 8), (16, 4), (4, 8)]
+
+
+@pytest.mark.parametrize("name", ["smng-p2", "dgx-a100", "cpu-example"])
+@pytest.mark.parametrize("rule", ["auto", "ring", "hierarchical"])
+def test_operation_factors_scale_bandwidth_and_latency_parts(name, rule):
+    """Scaled op: every algorithm's a n + b becomes a n / e + f b, so its fastest time at n is
+    f x the unscaled fastest time at n / (e f) (whichever algorithm wins); other ops are untouched."""
+    base = load_system(name)
+    eff = {"all_reduce": 0.4, "reduce_scatter": 0.2, "reduce": 0.9, "send": 0.5}
+    lat = {"all_reduce": 1.5, "all_gather": 3.0, "broadcast": 0.5, "send": 2.0}
+    plain = TopologyCommModel(base, algorithm=rule)
+    scaled = TopologyCommModel(with_operation_factors(base, eff, lat), algorithm=rule)
+    sizes = np.array([1.0, 1e3, 1e5, 1e7, 1e9, 1e11])
+    for g, s in OPERATION_SHAPES:
+        for op in topology.OPERATIONS:
+            e, f = eff.get(op, 1.0), lat.get(op, 1.0)
+            expected = f * getattr(plain, op)(sizes / (e * f), g, s)
+            assert getattr(scaled, op)(sizes, g, s) == pytest.approx(expected, rel=1e-12), (op, g, s)
+            for n in (1e3, 1e9):  # the algorithm it reports is the one that gives that time
+                assert scaled.algorithm(op, n, g, s) == plain.algorithm(op, n / (e * f), g, s)
+    # by hand on one ring: 2 ranks of one SMNG-P2 card, all-reduce 2 (g-1)/g n / B + 2 (g-1) alpha
+    if name == "smng-p2" and rule == "ring":
+        bw, alpha = scaled.ring(2, 1).bandwidth_Bps, scaled.ring(2, 1).latency_s
+        assert scaled.all_reduce(1e8, 2, 1) == pytest.approx(1e8 / (0.4 * bw) + 2 * 1.5 * alpha, rel=1e-12)
+
+
+def test_operations_are_priced_apart_only_when_the_profile_says_so(smng):
+    """Without factors an all-gather costs what a reduce-scatter does and a reduce what a broadcast
+    does (the same flows); a factor on one of each pair separates them."""
+    plain = TopologyCommModel(smng)
+    n, g, s = np.array([1e4, 1e8]), np.array([8, 64]), np.array([1, 8])
+    assert np.array_equal(plain.reduce_scatter(n, g, s), plain.all_gather(n, g, s))
+    assert np.array_equal(plain.reduce(n, g, s), plain.broadcast(n, g, s))
+    model = TopologyCommModel(with_operation_factors(smng, {"reduce_scatter": 0.5}, {"reduce": 2.0}))
+    assert np.array_equal(model.all_gather(n, g, s), plain.all_gather(n, g, s))
+    assert np.all(model.reduce_scatter(n, g, s) > plain.reduce_scatter(n, g, s))
+    assert np.array_equal(model.broadcast(n, g, s), plain.broadcast(n, g, s))
+    assert np.all(model.reduce(n, g, s) > plain.reduce(n, g, s))
+    assert model.all_reduce(1e8, 8, 1) == plain.all_reduce(1e8, 8, 1)
+    assert model.all_reduce(1e8, 1, 1) == 0.0  # a group of one still costs nothing
+
+
+def _profile_with(tmp_path, extra: str, name="cpu-example"):
+    """cpu-example's TOML text with `extra` appended (per-operation tables are sub-tables of
+    [collectives], so they may come last)."""
+    from profile_toml import HWPROFILES
+    with open(f"{HWPROFILES}/{name}.toml", encoding="utf-8") as fh:
+        text = fh.read()
+    path = tmp_path / "ops.toml"
+    path.write_text(text + "\n" + extra)
+    return str(path)
+
+
+def _entry(table, op, value, provenance="measured", source="a test: gloo on this machine"):
+    return f'[collectives.{table}.{op}]\nvalue = {value}\nprovenance = "{provenance}"\nsource = "{source}"\n\n'
+
+
+def test_profile_operation_tables_load_with_provenance_and_reach_predict(tmp_path):
+    from perfsim.predict import predict
+    from perfsim.spec.plan import Plan
+    path = _profile_with(tmp_path, _entry("operation_efficiency", "all_reduce", 0.25)
+                         + _entry("operation_latency_factor", "all_reduce", 3)
+                         + _entry("operation_efficiency", "send", 1.0))
+    system = load_system(path)
+    c = system.collectives
+    assert c.operation_efficiency == (("all_reduce", 0.25), ("send", 1.0))
+    assert c.operation_latency_factor == (("all_reduce", 3.0),)
+    assert c.operation_factors("all_reduce") == (0.25, 3.0) and c.operation_factors("broadcast") == (1.0, 1.0)
+    assert system.provenance["collectives.operation_efficiency.all_reduce"] == ("measured", "a test: gloo on this machine")
+    assert "collectives.operation_latency_factor.send" not in system.provenance
+    plain = load_system("cpu-example")
+    assert plain.collectives.operation_efficiency == () and plain.collectives.operation_latency_factor == ()
+    plan = Plan(tp=2, mbs=1, gbs=1)
+    model = "layers=2,hidden=256,heads=4,seq=128,vocab=1024"
+    slow, fast = predict(model, system, plan), predict(model, plain, plan)
+    # 1D TP without SP: every collective is an all-reduce, priced 4x on bandwidth and 3x on latency
+    assert slow.time_breakdown_s["tp_comm"] > 2.9 * fast.time_breakdown_s["tp_comm"]
+    assert slow.time_breakdown_s["compute"] == fast.time_breakdown_s["compute"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (_entry("operation_efficiency", "allreduce", 0.5), ["unknown operation", "collectives.operation_efficiency.allreduce",
+                                                         "all_reduce, all_gather, reduce_scatter, broadcast, reduce, send"]),
+    (_entry("operation_efficiency", "all_reduce", 1.5), ["collectives.operation_efficiency.all_reduce.value",
+                                                          "at most 1"]),
+    (_entry("operation_efficiency", "send", 0), ["collectives.operation_efficiency.send.value", "above 0"]),
+    (_entry("operation_latency_factor", "reduce", -1), ["collectives.operation_latency_factor.reduce.value", "above 0"]),
+    (_entry("operation_latency_factor", "reduce", '"fast"'), ["collectives.operation_latency_factor.reduce.value",
+                                                              "a number"]),
+    (_entry("operation_efficiency", "reduce", 0.5, provenance="guessed"), ["operation_efficiency.reduce.provenance"]),
+    ("[collectives.operation_latency_factor.broadcast]\nvalue = 2.0\nprovenance = \"assumed\"\n",
+     ["collectives.operation_latency_factor.broadcast has no source"]),
+    ("[collectives.operation_efficiency]\nall_gather = 0.5\n", ["collectives.operation_efficiency.all_gather must be a table"]),
+])
+def test_bad_operation_tables_are_one_line_errors(tmp_path, capsys, extra, words):
+    from perfsim import cli
+    path = _profile_with(tmp_path, extra)
+    assert cli.main(["predict", "--system", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("perfsim: error:") and path in err
+    for word in words:
+        assert word in err, err
+
+
+def test_a_table_where_the_operations_belong_must_be_a_table(tmp_path, capsys):
+    from perfsim import cli
+    from profile_toml import HWPROFILES
+    with open(f"{HWPROFILES}/cpu-example.toml", encoding="utf-8") as fh:
+        text = fh.read()
+    path = tmp_path / "bad.toml"
+    assert "[collectives.card_efficiency]" in text
+    path.write_text(text.replace("[collectives.card_efficiency]",
+                                "[collectives]\noperation_efficiency = 0.5\n\n[collectives.card_efficiency]", 1))
+    assert cli.main(["predict", "--system", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "collectives.operation_efficiency must be a table of operations" in err

@@ -235,9 +235,13 @@ def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, 
 def collective_time(comm, x: Collective, group_size, stride):
     if x.kind == ALL_REDUCE:
         return comm.all_reduce(x.nbytes, group_size, stride)
-    if x.kind in (BROADCAST, REDUCE):
+    if x.kind == BROADCAST:
         return comm.broadcast(x.nbytes, group_size, stride)
-    return comm.all_gather(x.nbytes, group_size, stride)  # all-gather and reduce-scatter alike
+    if x.kind == REDUCE:
+        return comm.reduce(x.nbytes, group_size, stride)
+    if x.kind == REDUCE_SCATTER:  # a profile may price it apart from the all-gather (gloo: an all-reduce)
+        return comm.reduce_scatter(x.nbytes, group_size, stride)
+    return comm.all_gather(x.nbytes, group_size, stride)
 
 
 def collectives_time(comm, layout: Layout, collectives: list, tp_stride):

@@ -12,7 +12,9 @@ numpy arrays welcome), by routing every ring (or tree) edge of every group of a 
 over the graph at once, counting the flows on each directed link, and choosing per collective and
 size the fastest of a flat ring, NCCL-style multi-channel rings, an NCCL-style double binary tree
 (all-reduce, broadcast, reduce) and hierarchical algorithms, or the one the profile fixes
-(`collectives.algorithm`: auto, ring, tree, hierarchical).
+(`collectives.algorithm`: auto, ring, tree, hierarchical). A profile may scale each operation on
+top of that (`collectives.operation_efficiency` and `operation_latency_factor`): the operation's
+whole time, bandwidth and latency parts apart, whatever algorithm it takes.
 
 A parallel dimension is (g, s): groups of g ranks s apart, ranks placed on devices in order
 (rank r on node r // devices_per_node, device r % devices_per_node). The fat tree's core is
@@ -34,14 +36,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perfsim.spec.system import ALGORITHMS, System
+from perfsim.spec.system import ALGORITHMS, OPERATIONS, System
 
 CARD, NODE, NETWORK, HOST = "card", "node", "network", "host"
 LINK_KINDS = (CARD, NODE, NETWORK, HOST)
 SWITCH, ALL_TO_ALL = "switch", "all-to-all"
 AUTO, RING, TREE, HIERARCHICAL = ALGORITHMS
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE = (
-    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, SEND = (
+    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send")
+# The algorithms each operation's time comes from: an all-gather runs the reduce-scatter's
+# algorithms the other way, a reduce the broadcast's, reversed (links are full duplex).
+_ALGORITHMS_OF = {ALL_REDUCE: ALL_REDUCE, ALL_GATHER: REDUCE_SCATTER, REDUCE_SCATTER: REDUCE_SCATTER,
+                  BROADCAST: BROADCAST, REDUCE: BROADCAST, SEND: SEND}
 
 # Routing cost added per device<->NIC hop, in seconds of path cost: large enough that a NIC is never
 # a shortcut between two devices of one node, and equal on every inter-node route (each has two).
@@ -309,6 +315,12 @@ class TopologyCommModel:
         efficiencies = (eff.card_efficiency, eff.node_efficiency, eff.network_efficiency)
         self._shapes = _SHAPES.setdefault(machine + efficiencies, {})
         self._line_cache = _LINES.setdefault(machine + efficiencies + (self.algorithm_rule,), {})
+        # The profile's per-operation factors (collectives.operation_efficiency, ..._latency_factor):
+        # only operations that differ from (1, 1) are scaled, so a profile without them costs nothing.
+        self.operation_factors = {op: f for op in OPERATIONS if (f := eff.operation_factors(op)) != (1.0, 1.0)}
+        factors = tuple(sorted(self.operation_factors.items()))
+        self._op_line_cache = (_LINES.setdefault(machine + efficiencies + (self.algorithm_rule, factors), {})
+                               if factors else None)
         self._groupings: dict = {}
 
     # --- routing on the two-node graph: node 0 is studied, node 1 stands for "another node" ---
@@ -636,6 +648,9 @@ class TopologyCommModel:
     def _option_lines(self, op, g, s) -> list:
         """The lines of every algorithm `_options` offers, in the same order and under the same rule."""
         rule = self.algorithm_rule
+        if op == SEND:  # one hop of a chain, every chain sending at once
+            r = self.ring(g, s, wrap=False)
+            return [(1 / r.bandwidth_Bps, r.latency_s)]
         if op == BROADCAST:
             r = self.ring(g, s, wrap=False)
             chain = [(1 / r.bandwidth_Bps, (g - 1) * r.latency_s)]
@@ -668,12 +683,31 @@ class TopologyCommModel:
             return hierarchical or rings
         return rings + trees + hierarchical
 
+    def _op_lines(self, op, g, s) -> np.ndarray:
+        """`op`'s lines over (g, s) with the profile's per-operation factors applied: every slope
+        divided by the operation's efficiency, every offset multiplied by its latency factor. Both
+        scale all of an operation's algorithms alike, so the envelope keeps the same lines."""
+        lines = self._lines(_ALGORITHMS_OF[op], g, s)
+        factors = self.operation_factors.get(op)
+        if factors is None:
+            return lines
+        key = (op, int(g), max(int(s), 1))
+        scaled = self._op_line_cache.get(key)
+        if scaled is None:
+            scaled = lines * np.array([1.0 / factors[0], factors[1]])
+            self._op_line_cache[key] = scaled
+        return scaled
+
     def algorithm(self, op: str, nbytes: float, size: int, stride: int) -> str:
         """Which algorithm `op` ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
         uses for one call of nbytes over (size, stride), under the profile's rule."""
-        g, s, n = int(size), max(int(stride), 1), np.asarray(float(nbytes))
+        g, s = int(size), max(int(stride), 1)
         if g <= 1:
             return "none"
+        efficiency, latency_factor = self.operation_factors.get(op, (1.0, 1.0))
+        # a n / e + f b = f (a n / (e f) + b): the scaled operation's fastest algorithm at n is the
+        # unscaled one's at n / (e f)
+        n = np.asarray(float(nbytes) / (efficiency * latency_factor))
         op = {ALL_GATHER: REDUCE_SCATTER, REDUCE: BROADCAST}.get(op, op)
         return min(self._options(op, n, g, s), key=lambda o: float(o[0]))[1]()
 
@@ -727,25 +761,26 @@ class TopologyCommModel:
         return bw, lat
 
     def all_reduce(self, nbytes, size, stride):
-        return self._each_shape(lambda g, s: self._lines(ALL_REDUCE, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._op_lines(ALL_REDUCE, g, s), nbytes, size, stride)
 
     def all_gather(self, nbytes, size, stride):
         """n is the full (gathered) tensor's bytes."""
-        return self._each_shape(lambda g, s: self._lines(REDUCE_SCATTER, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._op_lines(ALL_GATHER, g, s), nbytes, size, stride)
 
-    reduce_scatter = all_gather  # the same algorithms, run the other way
+    def reduce_scatter(self, nbytes, size, stride):
+        """n is the full (unscattered) tensor's bytes; the all-gather's algorithms, run the other way."""
+        return self._each_shape(lambda g, s: self._op_lines(REDUCE_SCATTER, g, s), nbytes, size, stride)
 
     def broadcast(self, nbytes, size, stride):
         """Broadcast (or reduce) from one member: the pipelined chain in rank order,
         n / B + (g-1) alpha, or the pipelined double binary tree (docs/topology.md section 4)."""
-        return self._each_shape(lambda g, s: self._lines(BROADCAST, g, s), nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._op_lines(BROADCAST, g, s), nbytes, size, stride)
 
-    reduce = broadcast  # the same flows, reversed: links are full duplex and symmetric
+    def reduce(self, nbytes, size, stride):
+        """Reduce to one member: the broadcast's flows, reversed (links are full duplex and symmetric)."""
+        return self._each_shape(lambda g, s: self._op_lines(REDUCE, g, s), nbytes, size, stride)
 
     def send(self, nbytes, size, stride):
         """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart
         (pipeline stages), all chains sending at once: n / B + alpha of the slowest hop."""
-        def hop(g, s):
-            r = self.ring(g, s, wrap=False)
-            return np.array([[1 / r.bandwidth_Bps, r.latency_s]])
-        return self._each_shape(hop, nbytes, size, stride)
+        return self._each_shape(lambda g, s: self._op_lines(SEND, g, s), nbytes, size, stride)

@@ -52,6 +52,13 @@ class Network:
 
 # Collective algorithms a profile may fix (collectives.algorithm); "auto" takes the fastest per call.
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+# Operations the optional per-operation tables may name (collectives.operation_efficiency.<op>,
+# collectives.operation_latency_factor.<op>); "send" is the point-to-point hop of a pipeline.
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
+# table -> allowed range of each entry's value (an efficiency is a fraction; a latency factor any
+# positive multiplier)
+_OPERATION_TABLES = {"operation_efficiency": ("float", 0.0, 1.0, False),
+                     "operation_latency_factor": ("float", 0.0, INF, False)}
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,15 @@ class Collectives:
     node_efficiency: float
     network_efficiency: float
     algorithm: str = "auto"  # optional plain string, one of ALGORITHMS (docs/topology.md section 4)
+    # Optional per-operation factors, ((op, value), ...) in OPERATIONS order, only the ops the profile
+    # names (tuples: the dataclass stays hashable). An operation's bandwidth terms are divided by its
+    # efficiency and its latency terms multiplied by its latency factor; an op left out gets 1.
+    operation_efficiency: tuple = ()
+    operation_latency_factor: tuple = ()
+
+    def operation_factors(self, op: str) -> tuple[float, float]:
+        """(efficiency, latency factor) of one operation; (1.0, 1.0) when the profile names neither."""
+        return dict(self.operation_efficiency).get(op, 1.0), dict(self.operation_latency_factor).get(op, 1.0)
 
 
 @dataclass(frozen=True)
@@ -96,7 +112,8 @@ _RULES = {
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
-    "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name != "algorithm"},
+    "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name.endswith("_efficiency")
+                    and f.name not in _OPERATION_TABLES},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
@@ -129,6 +146,24 @@ def _number(where: str, key: str, entry, rule) -> float:
     return value
 
 
+def _operation_table(where: str, table: str, raw, provenance: dict) -> tuple:
+    """An optional per-operation table ([collectives.<table>]) as ((op, value), ...) in OPERATIONS order."""
+    if not isinstance(raw, dict):
+        raise PerfsimError(f"{where}: collectives.{table} must be a table of operations "
+                           f"({', '.join(OPERATIONS)}), each with value, provenance and source")
+    unknown = sorted(set(raw) - set(OPERATIONS))
+    if unknown:
+        raise PerfsimError(f"{where}: unknown operation collectives.{table}.{unknown[0]}; "
+                           f"one of {', '.join(OPERATIONS)}")
+    entries = []
+    for op in OPERATIONS:
+        if op in raw:
+            key = f"collectives.{table}.{op}"
+            entries.append((op, float(_number(where, key, raw[op], _OPERATION_TABLES[table]))))
+            provenance[key] = (raw[op]["provenance"], raw[op]["source"])
+    return tuple(entries)
+
+
 def parse_system(data: dict, where: str, path: str = "") -> System:
     """Build a System from parsed TOML; every problem names `where` and the key."""
     if data.get("schema") != 1:
@@ -154,6 +189,10 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                     raise PerfsimError(f"{where}: {section}.{key} must be a plain string, one of "
                                        f"{', '.join(allowed)}; got {got}")
                 values[key] = raw[key]
+        if section == "collectives":
+            for table in _OPERATION_TABLES:
+                if table in raw:
+                    values[table] = _operation_table(where, table, raw[table], provenance)
         for key, rule in rules.items():
             if key not in raw:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
