@@ -78,14 +78,39 @@ def perfsim_expected(model, plan: Plan) -> dict:
             out[f"{x.axis}/{x.kind}"] += times * float(x.count * tpc.sent_bytes(x.kind, x.nbytes, layout.axes[x.axis][0]))
         return out
 
+    stats = fwd[-1]  # the two layer norms' statistics; the final norm issues one more, both ways
+    final_norm = tpc.Collective(stats.kind, stats.nbytes, 1, stats.axis)
     sent = by_axis(layer_colls, model.layers)
     for k, v in by_axis(h_fwd + h_bwd).items():
         sent[k] += v
     return {"flops": float(flops), "sent_bytes": {k: v for k, v in sent.items() if v},
             "embedding_sent_bytes": {k: v for k, v in by_axis(e_fwd + e_bwd).items() if v},
+            "final_norm_sent_bytes": dict(by_axis([final_norm, final_norm])),
+            "reference_embedding_sent_bytes": reference_embedding_bytes(layout, model, b, vocab),
             "params": float(stage_params(model, c, "first")),
             "activation_bytes_per_layer": float(layout_activation_bytes(model, layout, b, c.recompute)),
             "axes": {a: [int(s), int(st)] for a, (s, st) in layout.axes.items()}}
+
+
+def reference_embedding_bytes(layout, model, b, vocab) -> dict:
+    """What the reference's vocabulary-parallel embedding sends per rank (bf16), by axis/kind
+    (docs/real-steps-multidim.md): 2d/2.5d reduce-scatter the partial lookups [T/d, h/q] over `col`
+    and all-gather their gradient back, 2.5d all-reduces the [V/q, h/q] weight gradient over
+    `depth`; 3d all-gathers the weight [V/q, h/q] over `weight`, reduce-scatters [T/q, h/q] over
+    `input`, and backward all-gathers the gradient over `input` and reduce-scatters the weight's
+    over `weight`."""
+    q, d = float(layout.q), float(layout.depth)
+    tokens, h = b * model.seq, model.hidden
+    ring = (q - 1) / q
+    if layout.mode == "3d":
+        x, w = BF16 * tokens / q * h / q, BF16 * vocab / q * h / q
+        return {"weight/all_gather": ring * w, "input/reduce_scatter": ring * x, "input/all_gather": ring * x,
+                "weight/reduce_scatter": ring * w}
+    x = BF16 * tokens / d * h / q
+    out = {"col/reduce_scatter": ring * x, "col/all_gather": ring * x}
+    if d > 1:
+        out["depth/all_reduce"] = 2 * (d - 1) / d * BF16 * vocab / q * h / q
+    return out
 
 
 def axis_counter_class():
@@ -195,7 +220,7 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
         ref_name, piece = parallel.recipes[name]
         full = ref_params[ref_name]
         index = piece(torch.arange(full.numel()).view(full.shape))
-        pieces[ref_name] = (index.reshape(-1).tolist(), p.grad.reshape(-1).tolist())
+        pieces[ref_name] = (index.reshape(-1).clone(), p.grad.detach().reshape(-1).clone())
     everyone = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(pieces, everyone, dst=0)
     grad_err = grad_scale = float("nan")
@@ -206,7 +231,7 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
             assembled = torch.full((full.numel(),), float("nan"))
             for rank_pieces in everyone:
                 index, values = rank_pieces[ref_name]
-                assembled[torch.tensor(index)] = torch.tensor(values)
+                assembled[index] = values
             if torch.isnan(assembled).any():
                 uncovered.append(ref_name)
             grad_err = max(grad_err, float((assembled.view(full.shape) - full.grad).abs().max()))
@@ -225,11 +250,14 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
         "flops": {"counted": flops.total(), "perfsim": expected["flops"], "by_op": flops.by_op()},
         "sent_bytes": {"counted": dict(modelled), "perfsim": expected["sent_bytes"],
                        "embedding": counted.get("embedding", {}), "perfsim_embedding": expected["embedding_sent_bytes"],
-                       "final_norm": counted.get("final_norm", {}), "param": counted.get("param", {}),
+                       "reference_embedding": expected["reference_embedding_sent_bytes"],
+                       "final_norm": counted.get("final_norm", {}), "perfsim_final_norm": expected["final_norm_sent_bytes"],
+                       "param": counted.get("param", {}),
                        "other": {t: v for t, v in counted.items()
                                  if t not in ("None", "stats", "embedding", "final_norm", "param")},
                        "as_asked_fp32": collectives.by_kind(), "gloo_wire_fp32": collectives.gloo_wire_by_kind()},
-        "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"]},
+        "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"],
+                   "final_norm_whole": 2 * model.hidden, "final_norm_local": parallel.ln_f.weight.numel() * 2},
         "saved_bytes": {"per_layer": saved.per_layer, "perfsim_per_layer": expected["activation_bytes_per_layer"]},
     }
 
