@@ -15,8 +15,10 @@ was measured with the very formulas predictions use):
   GPUs); every other measured dtype gets its peak_flops_<dtype> rescaled to what it reached.
 - collectives: per link class (card, node, network) the bus bandwidth (link bandwidth x
   collective efficiency) and the latency, through perfsim.cost.topology.TopologyCommModel over
-  all measured operations, group shapes and sizes. The same fit per (link class, operation)
-  shows how far one number per link class is from each algorithm.
+  all measured operations, group shapes and sizes, together with one efficiency and one latency
+  factor per operation (collectives.operation_efficiency / operation_latency_factor) when more than
+  one operation was measured. The report also shows the link classes alone and a model-free check
+  of the measurements' own scatter (each point from its neighbour sizes).
 
 Held out: a quarter of the GEMM shapes and of the message and tensor sizes, chosen by a hash of
 the size (so the same sizes for every dtype, op and group), are never used in the fit; their
@@ -52,9 +54,11 @@ PEAK_KEYS = ("spec", "derived")  # provenances of a true peak, kept when a fit s
 
 # --- the ledger ---
 
-def read_ledger(path: str) -> tuple[list, list]:
+def read_ledger(path: str, check=None) -> tuple[list, list]:
     """(records, problems): every well-formed record (the last one of each key), and one line of
-    text per damaged or unusable line. A missing or unreadable file is a PerfsimError."""
+    text per damaged or unusable line. A missing or unreadable file is a PerfsimError. `check`
+    (record -> reason or None) judges a record; default: a calibration measurement."""
+    check = check or _record_problem
     fh = open_input(path, "ledger", ".jsonl file")
     records, problems = {}, []
     with fh:
@@ -68,7 +72,7 @@ def read_ledger(path: str) -> tuple[list, list]:
                 reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
                 problems.append(f"line {number} is damaged ({reason})")
                 continue
-            why = _record_problem(record)
+            why = check(record)
             if why:
                 problems.append(f"line {number} {why}")
                 continue
@@ -473,7 +477,7 @@ def _neighbour_check(fit, held):
         pairs = [(p, t) for p, t in pairs if p is not None]
         return mape([p for p, _ in pairs], [t for _, t in pairs]), len(pairs)
 
-    return Quality("collectives, model-free check: each point from its neighbour sizes (noise floor)",
+    return Quality("collectives, model-free (each point from its neighbour sizes)",
                    *errors(fit), *errors(held))
 
 
@@ -811,8 +815,10 @@ def format_report(calibration: Calibration, base) -> str:
 
 
 def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = None, device_kind=None,
-               report=print, warn=None, statistic: str = "min", clock: str = "auto") -> Calibration:
-    """Read a ledger, fit the base profile, print the report, write the calibrated profile to `out`."""
+               report=print, warn=None, statistic: str = "min", clock: str = "auto",
+               description: str | None = None) -> Calibration:
+    """Read a ledger, fit the base profile, print the report, write the calibrated profile to `out`
+    (named `name`, described by `description`; both have defaults from the files and the ledger)."""
     from perfsim.spec.system import load_system
 
     base = load_system(base_name)
@@ -830,7 +836,7 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
         name = name or os.path.splitext(os.path.basename(out))[0]
         hosts = sorted({r.get("host", "?") for r in records})
         devices = sorted({(r.get("device") or {}).get("name", "?") for r in records if isinstance(r.get("device"), dict)})
-        description = (f"{base.name} calibrated by perfsim calibrate on {', '.join(hosts)[:80]} "
+        description = description or (f"{base.name} calibrated by perfsim calibrate on {', '.join(hosts)[:80]} "
                        f"({', '.join(devices)[:80] or 'unknown device'}) from ledger {os.path.basename(ledger)}; "
                        f"machine-specific: measured numbers hold for that machine and software stack only")
         text = calibrated_profile(base.path, calibration, os.path.basename(ledger), name, description)

@@ -291,3 +291,17 @@ def test_model_free_check_is_exact_on_a_power_law_and_sees_scatter():
     assert q.fit_mape > 0  # the fitted points' own check leaves each out: the two ends are edges
     bumpy = [{**r, "_t": r["_t"] * (1.3 if i % 2 else 1.0)} for i, r in enumerate(rows)]
     assert cal._neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)
+
+
+def test_fit_command_takes_a_name_and_description(run_cli, tmp_path):
+    _, truth = _truth()
+    ledger = tmp_path / "c.jsonl"
+    ledger.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records(truth) if r["suite"] == "collective"))
+    out = tmp_path / "out.toml"
+    r = run_cli("calibrate", "--fit", str(ledger), "--system", "cpu-example", "--out", str(out), "--name", "box",
+                "--description", "the test box, two ranks")
+    assert r.code == 0, r.err
+    system = load_system(str(out))
+    assert (system.name, system.description) == ("box", "the test box, two ranks")
+    assert dict(system.collectives.operation_efficiency).keys() == set(cal.COLLECTIVE_OPS)
+    assert "collectives.operation_efficiency.all_gather" in r.out and "model-free" in r.out

@@ -98,6 +98,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="calibrated profile to write (default SYSTEM-calibrated.toml)")
     p.add_argument("--system", help="base profile the fit starts from (default: cpu-example on cpu, smng-p2 on xpu)")
     p.add_argument("--name", help="name of the calibrated profile (default: --out's file name)")
+    p.add_argument("--description", help="description of the calibrated profile (default: base profile, host, "
+                                         "device and ledger)")
     p.add_argument("--quick", action="store_true", help="a few small points only (a smoke test, seconds)")
     p.add_argument("--no-fit", dest="no_fit", action="store_true", help="measure only")
     p.add_argument("--statistic", choices=("min", "median", "p25", "mean"), default="min",
@@ -240,7 +242,7 @@ def _run_local(args) -> None:
         from perfsim.calibrate import fit_ledger
         fit_ledger(options.ledger, system, out, args.name, device_kind=args.device,
                    warn=lambda m: print(m, file=sys.stderr), statistic=args.statistic,
-                   clock=args.clock)
+                   clock=args.clock, description=args.description)
 
 
 def _visible_devices(device: str) -> int:
@@ -276,7 +278,7 @@ def _run_fit(args) -> None:
     out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
     _check_out(out)
     fit_ledger(args.fit, system, out, args.name, device_kind=args.device, warn=lambda m: print(m, file=sys.stderr),
-               statistic=args.statistic, clock=args.clock)
+               statistic=args.statistic, clock=args.clock, description=args.description)
 
 
 def _run_emit_slurm(args) -> None:
