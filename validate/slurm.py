@@ -1,4 +1,5 @@
-"""The Slurm batch script of a calibration campaign on SuperMUC-NG Phase 2.
+"""The Slurm batch scripts of SuperMUC-NG Phase 2: a calibration campaign (`perfsim calibrate
+--emit-slurm`) and a training-step validation (`perfsim validate --emit-slurm`).
 
 One rank per Max 1550 tile (FLAT device hierarchy, 8 tiles per node), started by `mpiexec -ppn 8`;
 each rank reads its rank and local rank from PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID
@@ -6,11 +7,22 @@ each rank reads its rank and local rank from PMI_RANK / PMI_SIZE / PALS_LOCAL_RA
 the script sets from the allocation. The environment is the one the SMNG-P2 LLM study validated
 (shared/reference/hardware.md). After the campaign the script fits the profile on the first node.
 No torch is needed to write the script.
+
+The validation job runs each plan's training step as one `mpiexec` launch of `python -m
+validate.steps` (the per-rank program `perfsim validate --device` launches locally), which writes
+rank 0's result; `python -m validate.slurm record` adds the result and perfsim's prediction to the
+ledger exactly as the local run does (validate.timing), and finally `perfsim validate --device xpu
+--ledger ... --json` reads every plan back from the ledger (nothing is measured again) and writes
+the comparison. A plan whose result file exists is not run again: resubmitting resumes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import shlex
+import sys
 from dataclasses import dataclass
 
 TILES_PER_NODE = 8
@@ -45,14 +57,9 @@ class Job:
     port_base: int = 29500
 
 
-def script(job: Job) -> str:
-    """The batch script's text (deterministic: the golden-file test compares it byte for byte)."""
-    worker = " ".join(shlex.quote(a) for a in ("perfsim",) + tuple(job.worker_argv))
-    lines = [
-        "#!/bin/bash",
-        "# perfsim calibrate on SuperMUC-NG Phase 2: one rank per Max 1550 tile, 8 tiles per node.",
-        "# Written by `perfsim calibrate --emit-slurm`; submit with `sbatch` from the folder that should",
-        "# hold the ledger. Resubmitting the same script resumes from the ledger.",
+def _header(job, what: str, written_by: str, note: tuple) -> list:
+    lines = ["#!/bin/bash", f"# {what} on SuperMUC-NG Phase 2: one rank per Max 1550 tile, 8 tiles per node.",
+             f"# Written by `{written_by}`; " + note[0]] + [f"# {n}" for n in note[1:]] + [
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.nodes}",
         f"#SBATCH --ntasks-per-node={TILES_PER_NODE}",
@@ -74,20 +81,167 @@ def script(job: Job) -> str:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in LEVEL_ZERO_ENV]
     lines += ["", "# oneCCL settings validated on SMNG-P2 (shared/reference/hardware.md)"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in ONECCL_ENV]
-    lines += [
+    return lines
+
+
+def _rendezvous(port: str) -> list:
+    return [
         "",
         "# Rendezvous on the first node of the allocation; each rank takes RANK, WORLD_SIZE and",
         "# LOCAL_RANK from PMI_RANK, PMI_SIZE and PALS_LOCAL_RANKID set by mpiexec.",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"MASTER_PORT=$(( {job.port_base} + SLURM_JOB_ID % 1000 ))",
+        f"MASTER_PORT={port}",
         "export MASTER_ADDR MASTER_PORT",
         f"NRANKS=$(( SLURM_NNODES * {TILES_PER_NODE} ))",
         f"export LOCAL_WORLD_SIZE={TILES_PER_NODE}",
+    ]
+
+
+def _command(argv) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def script(job: Job) -> str:
+    """The calibration batch script's text (deterministic: the golden-file test compares it byte for byte)."""
+    lines = _header(job, "perfsim calibrate", "perfsim calibrate --emit-slurm",
+                    ("submit with `sbatch` from the folder that should",
+                     "hold the ledger. Resubmitting the same script resumes from the ledger."))
+    lines += _rendezvous(f"$(( {job.port_base} + SLURM_JOB_ID % 1000 ))")
+    lines += [
         "",
         'echo "perfsim calibrate: $NRANKS ranks on $SLURM_NNODES nodes, rendezvous $MASTER_ADDR:$MASTER_PORT"',
-        f'mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} {worker}',
+        f'mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} {_command(("perfsim",) + tuple(job.worker_argv))}',
     ]
     if job.fit_argv:
-        fit = " ".join(shlex.quote(a) for a in ("perfsim",) + tuple(job.fit_argv))
-        lines += ["", "# Fit the profile to the ledger (no GPU needed; can be rerun anywhere)", fit]
+        lines += ["", "# Fit the profile to the ledger (no GPU needed; can be rerun anywhere)",
+                  _command(("perfsim",) + tuple(job.fit_argv))]
     return "\n".join(lines) + "\n"
+
+
+MAX_PLANS = 100  # plan i rendezvouses on port base + i, inside the job's block of 100 ports
+
+
+@dataclass(frozen=True)
+class ValidationJob:
+    """A training-step validation on `nodes` x 8 tiles: every plan (perfsim Plan dicts) measured by
+    `python -m validate.steps`, then compared by `perfsim validate --device xpu`."""
+    nodes: int
+    plans: tuple  # of Plan.as_dict() dicts
+    model: str
+    system: str
+    dtype: str = "bf16"
+    steps: int = 3
+    warmup: int = 1
+    timeout: int = 300
+    ledger: str = "validation-xpu.jsonl"
+    results: str = "validation-xpu-results"  # folder of rank 0's per-plan JSON
+    out: str = "validation-xpu.json"  # the `perfsim validate --json` output
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    job_name: str = "perfsim-validate"
+    setup: tuple = ()
+    port_base: int = 29500
+
+    @property
+    def world(self) -> int:
+        return self.nodes * TILES_PER_NODE
+
+
+def plans_argument(plans) -> str:
+    """The plans as `--plans` text (FIELD=VALUE lists joined by ';', validate.timing.parse_plans)."""
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return ";".join(",".join(f"{k}={value(v)}" for k, v in p.items()) for p in plans)
+
+
+def validation_script(job: ValidationJob) -> str:
+    """The validation batch script's text (deterministic: compared byte for byte by the golden test)."""
+    if not 1 <= len(job.plans) <= MAX_PLANS:
+        raise ValueError(f"a validation job runs 1 to {MAX_PLANS} plans, got {len(job.plans)}")
+    common = ("--model", job.model, "--dtype", job.dtype, "--steps", str(job.steps), "--warmup", str(job.warmup))
+    lines = _header(job, "perfsim validate (real training steps)", "perfsim validate --emit-slurm",
+                    ("submit with `sbatch` from the folder that should",
+                     "hold the ledger. Resubmitting the same script skips the plans already measured."))
+    lines += _rendezvous(f"$(( {job.port_base} + SLURM_JOB_ID % 100 * {MAX_PLANS} ))")
+    lines += [
+        "PORT0=$MASTER_PORT",
+        f"RESULTS={shlex.quote(job.results)}",
+        'mkdir -p "$RESULTS"',
+        "",
+        f'echo "perfsim validate: {len(job.plans)} plan(s), $NRANKS ranks on $SLURM_NNODES nodes, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        f'if [ "$NRANKS" -ne {job.world} ]; then echo "the plans need {job.world} ranks, the job has $NRANKS" >&2; '
+        "exit 1; fi",
+        "",
+        "# One launch per plan; rank 0 writes the plan's result, which is then added to the ledger",
+        "# with perfsim's prediction (as `perfsim validate --device` does when it launches locally).",
+        "run_plan() {",
+        '    local i=$1 plan=$2 result="$RESULTS/plan-$1.json"',
+        '    MASTER_PORT=$(( PORT0 + i )); export MASTER_PORT',
+        '    if [ ! -s "$result" ]; then',
+        f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
+        f'--device xpu {_command(common)} --timeout {job.timeout}',
+        "    fi",
+        f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --system '
+        f'{shlex.quote(job.system)} {_command(common)} --ledger {shlex.quote(job.ledger)}',
+        "}",
+    ]
+    for i, plan in enumerate(job.plans):
+        lines.append(f"run_plan {i} {shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))}")
+    compare = ("python", "-m", "perfsim.cli", "validate", "--device", "xpu", "--nproc", str(job.world),
+               "--system", job.system, "--plans", plans_argument(job.plans)) + common + (
+               "--ledger", job.ledger, "--json")
+    lines += ["", "# Every plan is in the ledger now: compare (no GPU used, nothing measured again)",
+              f"{_command(compare)} > {shlex.quote(job.out)}",
+              f'echo "perfsim validate: comparison in {job.out}"']
+    return "\n".join(lines) + "\n"
+
+
+def record(result_path: str, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
+           warmup: int, ledger_path: str) -> bool:
+    """Append rank 0's result of one plan, with perfsim's prediction, to the ledger under the key
+    `perfsim validate --device xpu --nproc N` looks up; False if it was there already."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from perfsim.spec.system import load_system
+    from validate import timing
+    from validate.ledger import Ledger
+
+    plan = Plan(**plan)
+    key = timing.point_key(model_spec, plan, dtype, steps, warmup, "xpu", nproc)
+    with open(result_path) as fh:
+        measured = json.load(fh)
+    system = timing.harness_system(load_system(system_name), dtype)
+    with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}) as ledger:
+        if ledger.done(key):
+            return False
+        ledger.append({"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
+                       "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "measured": measured,
+                       "predicted": timing.predicted(load_model(model_spec), system, plan, dtype),
+                       "system": system.name})
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m validate.slurm", description="steps of the SMNG-P2 validation job")
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("record", help="add one plan's rank-0 result and its prediction to the ledger")
+    r.add_argument("result")
+    r.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
+    r.add_argument("--nproc", type=int, required=True)
+    r.add_argument("--model", required=True)
+    r.add_argument("--system", required=True)
+    r.add_argument("--dtype", required=True)
+    r.add_argument("--steps", type=int, required=True)
+    r.add_argument("--warmup", type=int, required=True)
+    r.add_argument("--ledger", required=True)
+    args = p.parse_args(argv)
+    added = record(args.result, json.loads(args.plan), args.model, args.system, args.nproc, args.dtype, args.steps,
+                   args.warmup, args.ledger)
+    print(f"{os.path.basename(args.result)}: {'added to' if added else 'already in'} {args.ledger}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,7 +37,84 @@ def register(sub) -> None:
     _add_case_flags(p)
     _add_plan_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_slurm_flags(p)
     p.set_defaults(run=run)
+
+
+def _add_slurm_flags(p) -> None:
+    from perfsim.commands.calibrate import _walltime
+
+    s = p.add_argument_group("Slurm (SMNG-P2): --emit-slurm FILE --nodes N writes the validation job and stops")
+    s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE",
+                   help="write a batch script that runs the plans under mpiexec on --nodes N x 8 tiles (xccl/ccl)")
+    s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
+    s.add_argument("--partition")
+    s.add_argument("--account")
+    s.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="shell line run before the steps (module load ..., source venv/bin/activate); repeatable")
+
+
+def emit_slurm(args) -> None:
+    """`--emit-slurm FILE --nodes N`: the SMNG-P2 validation job (validate/slurm.py writes its text)."""
+    import os
+
+    from perfsim.cli import PLAN_FLAGS
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import plan_problems
+    from perfsim.spec.system import load_system
+
+    try:
+        from validate import slurm, timing
+    except ImportError:
+        raise PerfsimError("the validate/ harness is not installed with this perfsim; install from the repository "
+                           "with `pip install -e \".[validate]\"`") from None
+    if args.nodes is None:
+        raise PerfsimError("--emit-slurm needs --nodes N (8 tiles, so 8 ranks, per node)")
+    if args.device not in (None, "xpu") or args.megatron_log is not None:
+        raise PerfsimError("--emit-slurm writes an SMNG-P2 (XPU) job; leave out --megatron-log and --device (or give xpu)")
+    if args.dtype not in timing.DTYPE_BYTES:
+        raise PerfsimError(f"--dtype {args.dtype} cannot be run by the harness; use bf16 or fp32")
+    world = args.nodes * slurm.TILES_PER_NODE
+    model_spec, system = args.model or timing.DEFAULT_MODEL, args.system or "smng-p2"
+    model = load_model(model_spec)
+    load_system(system)
+    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    if args.plans and given:
+        raise PerfsimError("give either --plans or plan flags (--tp, --pp, ...), not both")
+    if args.plans:
+        plans = timing.parse_plans(args.plans)
+    elif given:
+        from perfsim.cli import build_case
+
+        args.model, args.system, args.nodes, args.devices = model_spec, None, None, world
+        plans = [build_case(args)[2]]
+    else:
+        plans = timing.default_plans(world)
+    for plan in plans:
+        problems = plan_problems(plan, model, world)
+        if problems:
+            raise PerfsimError(f"plan {timing.plan_label(plan)} on {world} tiles: {'; '.join(problems)}"
+                               + ("" if args.plans or given else " (give --plans for this node count)"))
+    if len(plans) > slurm.MAX_PLANS:
+        raise PerfsimError(f"a validation job runs at most {slurm.MAX_PLANS} plans, got {len(plans)}")
+    ledger = args.ledger or "validation-xpu.jsonl"
+    stem = os.path.splitext(ledger)[0]
+    job = slurm.ValidationJob(nodes=world // slurm.TILES_PER_NODE, plans=tuple(p.as_dict() for p in plans),
+                              model=model_spec, system=system, dtype=args.dtype, steps=args.steps,
+                              warmup=args.warmup, timeout=args.timeout, ledger=ledger, results=stem + "-results",
+                              out=stem + ".json", time=args.time, partition=args.partition, account=args.account,
+                              setup=tuple(args.setup))
+    path = args.emit_slurm
+    if os.path.isdir(path):
+        raise PerfsimError(f"--emit-slurm {path} is a directory; give a file name such as validate.sbatch")
+    try:
+        with open(path, "w") as fh:
+            fh.write(slurm.validation_script(job))
+    except OSError as exc:
+        raise PerfsimError(f"--emit-slurm {path} cannot be written: {exc.strerror or exc}") from None
+    os.chmod(path, 0o755)
+    print(f"wrote {path}: {len(plans)} plan(s) on {job.nodes} nodes x {slurm.TILES_PER_NODE} tiles; "
+          f"submit with `sbatch {path}`")
 
 
 def _relative(predicted, measured):
@@ -120,6 +197,9 @@ def run_steps(args) -> list:
 
 
 def run(args) -> None:
+    if args.emit_slurm is not None:
+        emit_slurm(args)
+        return
     if args.device is not None:
         run_steps(args)
         return
