@@ -213,7 +213,7 @@ def record(result_path: str, plan: dict, model_spec: str, system_name: str, npro
     with open(result_path) as fh:
         measured = json.load(fh)
     system = timing.harness_system(load_system(system_name), dtype)
-    with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}) as ledger:
+    with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}, check=timing.step_record_problem) as ledger:
         if ledger.done(key):
             return False
         ledger.append({"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
