@@ -57,18 +57,21 @@ def timestamp() -> str:
 
 class Ledger:
     """Append-only JSON Lines file. `context` (device, software, environment, ...) goes into every
-    record; `report(message)` hears about damaged lines (default: standard error)."""
+    record; `report(message)` hears about damaged lines (default: standard error); `check` judges
+    a record as perfsim.calibrate.read_ledger's `check` does. `records` holds the readable ones."""
 
-    def __init__(self, path: str, context: dict | None = None, report=None):
+    def __init__(self, path: str, context: dict | None = None, report=None, check=None):
         check_path(path)
         self.path, self.context = path, dict(context or {})
         self.report = report or (lambda message: print(f"perfsim: warning: {message}", file=sys.stderr, flush=True))
         self.keys: set = set()
+        self.records: dict = {}
         if os.path.exists(path):
-            records, problems = read_ledger(path)
+            records, problems = read_ledger(path, check)
             for problem in problems:
                 self.report(f"ledger {path}: {problem}; skipped (its point will be measured again)")
             self.keys = {r["key"] for r in records}
+            self.records = {r["key"]: r for r in records}
         self._fh = open(path, "ab")
         self._end_line()
 

@@ -129,6 +129,28 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
             return json.load(fh)
 
 
+MEASURED_KEYS = ("step_time_s", "step_times_s", "peak_memory_bytes", "flops", "comm_bytes", "comm_bytes_by_kind",
+                 "activation_bytes")
+
+
+def step_record_problem(record) -> str | None:
+    """Why a ledger line is not a usable training-step record (None if it is)."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    from perfsim.calibrate import LEDGER_SCHEMA
+
+    if record.get("schema") != LEDGER_SCHEMA:
+        return f"has schema {record.get('schema')!r}, this perfsim reads {LEDGER_SCHEMA}"
+    if record.get("suite") != "step" or not isinstance(record.get("key"), str):
+        return "is not a training-step record (suite 'step' with a key)"
+    measured = record.get("measured")
+    if not isinstance(measured, dict) or any(k not in measured for k in MEASURED_KEYS):
+        return f"has no measured {', '.join(MEASURED_KEYS)}"
+    if not isinstance(measured["step_time_s"], (int, float)) or not measured["step_time_s"] > 0:
+        return "has no positive measured step_time_s"
+    return None
+
+
 def _entry(plan, prediction: dict, measured: dict) -> dict:
     """The per-plan object of `perfsim validate --json`."""
     def pair(name, other="measured", key=None):
@@ -161,12 +183,8 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
             raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
     ledger_path = ledger_path or f"validation-{device}.jsonl"
     results = []
-    with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}) as ledger:
-        earlier = {}
-        if ledger.keys:
-            from perfsim.calibrate import read_ledger
-
-            earlier = {r["key"]: r for r in read_ledger(ledger_path)[0]}
+    with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
+        earlier = ledger.records
         for i, plan in enumerate(plans, 1):
             key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc)
             prediction = predicted(model, system, plan, dtype)

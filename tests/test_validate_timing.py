@@ -1,0 +1,118 @@
+"""`perfsim validate --device cpu --nproc 2`: real steps per plan, the --json schema, the ledger
+(appended, resumed without re-running), and faults (a rank that dies or hangs ends the run with a
+clear error within the stated timeout, and what was measured stays in the ledger)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from perfsim.errors import PerfsimError
+from perfsim.spec.model import load_model
+from perfsim.spec.plan import Plan, plan_problems
+from validate import timing
+
+MODEL = "layers=2,hidden=64,heads=4,seq=32,vocab=512,tied_embeddings=false,dropout=false"
+PLANS = "tp=2,mbs=2,gbs=4;tp=2,sp=true,recompute=selective,mbs=2,gbs=4"
+KEYS = ("plan", "step_time_s", "flops", "comm_bytes", "activation_bytes", "peak_memory_bytes")
+
+
+def test_default_plans_cover_modes_and_are_valid():
+    model = load_model(timing.DEFAULT_MODEL)
+    plans = timing.default_plans(2)
+    assert len(plans) >= 12
+    assert {p.recompute for p in plans} == {"none", "selective", "full"}
+    assert {p.schedule for p in plans if p.pp > 1} == {"gpipe", "1f1b", "interleaved"}
+    assert {p.zero for p in plans if p.dp > 1} == {0, 1, 2, 3}
+    assert any(p.sp for p in plans)
+    for p in plans:
+        assert p.devices == 2 and not plan_problems(p, model, 2), p
+    assert {p.tp_mode for p in timing.default_plans(4)} >= {"1d", "2d"}
+    assert {p.tp_mode for p in timing.default_plans(8)} >= {"2.5d", "3d"}
+
+
+def test_parse_plans():
+    a, b = timing.parse_plans("tp=2,sp=true,recompute=full; pp=2,vpp=2,gbs=8")
+    assert a == Plan(tp=2, sp=True, recompute="full")
+    assert b == Plan(pp=2, vpp=2, schedule="interleaved", gbs=8)
+    for bad, says in (("tp=x", "tp='x'"), ("banana=2", "'banana=2'"), ("sp=maybe", "sp="), (" ; ", "empty")):
+        with pytest.raises(PerfsimError, match=says):
+            timing.parse_plans(bad)
+
+
+def test_bad_input_is_a_one_line_error(run_cli, tmp_path):
+    ledger = str(tmp_path / "v.jsonl")
+    cases = [(["--plans", "tp=3,mbs=1,gbs=1"], "tp"),
+             (["--plans", "tp=2", "--tp", "2"], "not both"),
+             (["--warmup", "0"], "--warmup"),
+             (["--dtype", "fp16"], "bf16 or fp32"),
+             (["--megatron-log", "x.log"], "not both")]
+    for extra, says in cases:
+        r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--model", MODEL, "--ledger", ledger, *extra)
+        assert r.code == 2, (extra, r.err)
+        assert says in r.err and r.err.count("\n") == 1, (extra, r.err)
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    ledger = tmp_path_factory.mktemp("timing") / "validation-cpu.jsonl"
+    messages = []
+    results = timing.run_plans(timing.parse_plans(PLANS), MODEL, "cpu-calibrated", "cpu", 2, steps=2,
+                               ledger_path=str(ledger), timeout_s=60, threads=1, progress=messages.append)
+    return ledger, results, messages
+
+
+@pytest.mark.multiprocess
+def test_json_entries_and_exact_counts(first_run):
+    _, results, messages = first_run
+    assert len(results) == 2 and len(messages) == 2 and "[2/2]" in messages[1]
+    for r in results:
+        for key in KEYS[1:]:
+            assert r[key]["predicted"] > 0, (key, r)
+        assert r["step_time_s"]["measured"] > 0 and r["peak_memory_bytes"]["measured"] > 0
+        # exact by construction of the harness: FLOPs and (for plain 1d) bytes sent
+        assert r["flops"]["counted"] == pytest.approx(r["flops"]["predicted"], rel=1e-9)
+    plain = results[0]
+    # bf16 run: the loss's running max is all-reduced in the logits' dtype (bf16), the other two
+    # statistics in fp32, where perfsim prices all three at fp32: 128 bytes a micro-batch and rank less.
+    gap = plain["comm_bytes"]["predicted"] - plain["comm_bytes"]["counted"]
+    assert gap == 128 * 2 * 2
+    assert set(plain["comm_bytes_counted_by_kind"]) >= {"all_reduce", "all_gather", "reduce_scatter"}
+
+
+@pytest.mark.multiprocess
+def test_resume_reads_the_ledger_instead_of_running(first_run):
+    ledger, results, _ = first_run
+    lines = ledger.read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(x)["suite"] == "step" for x in lines)
+    messages = []
+    start = time.perf_counter()
+    again = timing.run_plans(timing.parse_plans(PLANS), MODEL, "cpu-calibrated", "cpu", 2, steps=2,
+                             ledger_path=str(ledger), timeout_s=60, threads=1, progress=messages.append)
+    assert time.perf_counter() - start < 5  # nothing launched
+    assert all("from the ledger" in m for m in messages)
+    assert [r["step_time_s"]["measured"] for r in again] == [r["step_time_s"]["measured"] for r in results]
+    assert ledger.read_text().splitlines() == lines
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault", ["die", "hang"])
+def test_a_failing_rank_ends_the_run_and_keeps_the_ledger(fault, first_run, tmp_path, monkeypatch):
+    ledger = tmp_path / "v.jsonl"
+    earlier = first_run[0].read_text().splitlines()[0]
+    ledger.write_text(earlier + "\n")
+    monkeypatch.setenv("PERFSIM_VALIDATE_FAULT", fault)
+    timeout = 8
+    start = time.perf_counter()
+    with pytest.raises(PerfsimError, match=r"validation of tp2 1d\+sp .*rank \d exited") as err:
+        timing.run_plans(timing.parse_plans(PLANS), MODEL, "cpu-calibrated", "cpu", 2, steps=2,
+                         ledger_path=str(ledger), timeout_s=timeout, threads=1, progress=lambda m: None)
+    assert "run the same command again" in str(err.value)
+    # process start and torch import come before the timeout starts to count
+    assert time.perf_counter() - start < timeout + 40
+    assert ledger.read_text().splitlines() == [earlier]
