@@ -15,7 +15,9 @@ OPTIMIZER_STATE_BYTES_PER_PARAM = 12  # fp32 master + fp32 exp_avg + fp32 exp_av
 
 
 class MasterAdam(torch.optim.Optimizer):
-    """AdamW on fp32 master weights; the model's parameters receive the rounded result.
+    """AdamW on fp32 master weights; the model's parameters receive the rounded result. The
+    update is torch's fused AdamW kernel (one pass over master, moments and gradient), as
+    production optimizers fuse it.
 
     Works on plain tensors and on DTensor parameters (their local shards are updated), so it
     serves tensor-parallel models and, as `optimizer_class`, ZeroRedundancyOptimizer."""
@@ -60,6 +62,8 @@ class MasterAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from torch.optim.adamw import adamw
+
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -67,15 +71,10 @@ class MasterAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
+                # One parameter at a time, so the fp32 copy of the gradient is transient and small.
                 grad = self._local(self._as_param(p, p.grad)).to(torch.float32)
-                master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
-                state["step"] += 1
-                t = float(state["step"])
-                if group["weight_decay"]:
-                    master.mul_(1 - group["lr"] * group["weight_decay"])
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                master.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** t))
-                self._local(p.data).copy_(master)
+                adamw([state["master"]], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                      fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                self._local(p.data).copy_(state["master"])
         return loss
