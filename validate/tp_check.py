@@ -85,8 +85,9 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     working set (a peak during backward, not saved by the forward). Conventions the real step
     differs in, each a named term: torch's SP keeps the all-gathered QKV and FC1 inputs for the
     weight gradients (Megatron keeps the shard and all-gathers again in backward, which perfsim's
-    memory assumes), and perfsim's head term holds the bf16 logits beside their fp32 softmax, a
-    transient the cross-entropy does not save."""
+    memory assumes). (perfsim's head term once also held the bf16 logits, which the cross-entropy
+    does not save; the saved-tensor counts here showed it, and perfsim now counts them as a
+    one-micro-batch buffer.)"""
     if model.dropout:
         raise ValueError("validate.gpt has no dropout: give the model spec dropout=false")
     c = columns_of(plan)
@@ -98,11 +99,10 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     working = float(layout_activation_bytes(model, layout, b, 0)) if plan.recompute == "full" else 0.0
     edge = activations - model.layers * layer - working
     gathered = 2 * BF16 * tokens * model.hidden * (1 - 1 / t) if plan.sp and plan.recompute != "full" else 0.0
-    logits = BF16 * tokens * model.padded_vocab(t) / t
     return {"layer": layer, "layers": model.layers * layer, "edge": edge, "working_set": working,
-            "activations": activations, "sp_gathered_inputs_per_layer": gathered, "bf16_logits": logits,
-            "layer_like": layer + gathered, "edge_like": edge - logits,
-            "like": model.layers * (layer + gathered) + edge - logits}
+            "activations": activations, "sp_gathered_inputs_per_layer": gathered,
+            "layer_like": layer + gathered, "edge_like": edge,
+            "like": model.layers * (layer + gathered) + edge}
 
 
 # Prices of saved tensors (bytes an element); floating tensors at perfsim's activation dtype.

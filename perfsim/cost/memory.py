@@ -133,13 +133,15 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
-    # final norm input, the logits GEMM input, bf16 logits and their fp32 softmax for the loss
+    # final norm input, the logits GEMM input and the fp32 softmax the loss keeps for backward
     head = BF16 * s * b * h / region + BF16 * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) \
-        + (BF16 + FP32) * s * b * vocab / t
+        + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
     buffers = np.where(p > 1, 2 * BF16 * s * b * h / t, 0)  # pipeline receive buffers
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
+    # the bf16 logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
+    buffers = buffers + np.where(last, BF16 * s * b * vocab / t, 0)
     layer_weights = BF16 * sum(counts.layer_params(model).values()) / weight_shard(c.tp_mode, t, c.tp_depth)
     buffers = buffers + np.where((c.zero >= 3) & (dp > 1), 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
     live = weights + grads + optimizer + activations + buffers
