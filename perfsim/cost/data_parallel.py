@@ -8,7 +8,9 @@ Per step, for N parameters on a device and a data-parallel group of d:
   gradients (as DeepSpeed does); the weights are all-gathered once after the step;
 - ZeRO-3: every micro-batch all-gathers the bf16 weights for forward, again for backward (and
   again for a fully recomputed forward), and reduce-scatters its gradients. The gathers are
-  prefetched, so only what exceeds the micro-batch's compute is exposed.
+  prefetched, so only what exceeds the micro-batch's compute is exposed; the framework's optional
+  zero3_overlap (default 1) says what share can hide at all (0 where communication has no core
+  or stream of its own, as for CPU ranks on one core each).
 The framework's dp_overlap says what share of a gradient reduction hides behind the backward pass
 that produces it (ZeRO 0-2); the weight all-gather follows the optimizer step and never hides.
 """
@@ -38,12 +40,13 @@ def step_reduction_time(system: System, comm, c: Columns, params):
 def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward):
     """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter less the
     dp_overlap share, which can hide only behind the micro-batch's `backward` time; ZeRO-3's
-    gathers and reduce-scatter beyond the `busy` compute time."""
+    gathers and reduce-scatter less the zero3_overlap share of them that hides behind the `busy`
+    compute time."""
     stride = c.strides["dp"]
     scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
     gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * comm.all_gather(BF16 * params, c.dp, stride)
     zero2 = scatter - np.minimum(system.framework.dp_overlap * scatter, backward)
-    zero3 = np.maximum(gathers + scatter - busy, 0.0)
+    zero3 = gathers + scatter - np.minimum(system.framework.zero3_overlap * (gathers + scatter), busy)
     return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
 
 

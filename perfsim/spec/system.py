@@ -85,6 +85,9 @@ class Framework:
     reserved_memory_bytes: float
     allocator_overhead_fraction: float
     step_overhead_s: float
+    # Optional: share of ZeRO-3's per-micro-batch gathers and reduce-scatter that prefetching can
+    # hide behind the micro-batch's compute (1: all of it, as on GPUs with a communication stream).
+    zero3_overlap: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ _RULES = {
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
 }
+# Optional numbers (value, provenance and source like the others); left out, the dataclass default.
+_OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True)}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
@@ -198,6 +203,10 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
             values[key] = _number(where, f"{section}.{key}", raw[key], rule)
             provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
+        for key, rule in _OPTIONAL.get(section, {}).items():
+            if key in raw:
+                values[key] = _number(where, f"{section}.{key}", raw[key], rule)
+                provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
         extra = sorted(set(raw) - set(values))
         if extra:
             raise PerfsimError(f"{where}: unknown key {section}.{extra[0]}")
