@@ -260,11 +260,13 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                 for op in ("sdpa", "unfused"):
                     add(Point("attention", op, dtype, _shape(batch=1, heads=bh, seq=s, head_dim=d), origin=origin))
     if "collective" in suites and world > 1:
-        dtype = dtypes[0] if kind != "cpu" else "fp32"
-        for size, stride in group_shapes(model, plan, world, ranks_per_node):
-            for op in COLLECTIVES:
-                for nbytes in sweep.collective_bytes:
-                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride)))
+        # A training step sends bf16 (the dtype perfsim prices traffic in); gloo reduces bf16 in
+        # scalar code, ~2x slower per byte than fp32, so the CPU measures both and the fit uses bf16.
+        for dtype in (dtypes if kind == "cpu" else dtypes[:1]):
+            for size, stride in group_shapes(model, plan, world, ranks_per_node):
+                for op in COLLECTIVES:
+                    for nbytes in sweep.collective_bytes:
+                        add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride)))
     return points
 
 
