@@ -78,8 +78,6 @@ def test_bad_logs_are_one_line_errors(run_cli, tmp_path, content, needle):
 def test_needs_a_log(run_cli):
     r = run_cli("validate", *CASE)
     assert r.code == 2 and "--megatron-log FILE" in r.err and r.err.count("\n") == 1
-    r = run_cli("validate", "--device", "cpu")
-    assert r.code == 2 and "not available yet" in r.err
 
 
 def test_plan_errors_are_one_line(run_cli, tmp_path):

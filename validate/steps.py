@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -214,7 +215,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     result = {
         "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
         "step_times_s": times, "step_time_s": statistics.median(times),
-        "losses": losses, "rank": ranks.rank,
+        "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),
         "comm_bytes": sum(summed[1:]),
@@ -249,7 +250,12 @@ def main(argv=None) -> int:
         with open(tmp, "w") as fh:
             json.dump(result, fh)
         os.replace(tmp, args.out)
-    return 0
+    # Leave without the interpreter's teardown: a C++ thread of torch's runtime that is still
+    # joinable at exit aborts the process now and then ("terminate called without an active
+    # exception") after all the work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
