@@ -28,6 +28,7 @@ bytes as sent, a receive counts none (`Record.nbytes` still gives what it receiv
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -172,3 +173,98 @@ class LocalFlopCounter(TorchDispatchMode):
 
     def by_op(self) -> dict:
         return {str(k): v for k, v in self.counter.get_flop_counts()["Global"].items()}
+
+
+def _storage_of(t):
+    """The storage that holds a saved tensor's memory: a DTensor's local shard, a wrapper
+    subclass's inner tensor (functional collectives' results), else the tensor's own."""
+    while True:
+        if hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        elif type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            t = getattr(t, names[0])
+        else:
+            break
+    return t, t.untyped_storage()
+
+
+class SavedBytes:
+    """Peak of the bytes saved for backward that are alive at once, by distinct storage
+    (torch.autograd.graph.saved_tensors_hooks; enter `hooks()` around the step).
+
+    A storage counts from the first tensor saved from it until the autograd graph drops the last
+    one (backward frees saved tensors as it goes). Parameters (and views of them) are weights,
+    not activations, and are skipped. Floating-point storages are priced at `element_bytes` (2:
+    perfsim's bf16, for an fp32 run compared with perfsim; None: their own size), those saved
+    inside `loss_scope` at 4 when re-pricing (the fp32 softmax of the loss, as perfsim prices it);
+    integer and boolean storages (token ids, targets, causal masks) are counted apart, at their
+    own size, since perfsim does not count them."""
+
+    def __init__(self, parameters, element_bytes: int | None = None):
+        self.skip = {_storage_of(p)[1].data_ptr() for p in parameters}
+        self.element_bytes = element_bytes
+        self.live = self.peak = self.live_other = self.peak_other = 0
+        self.in_loss = False
+        self._refs: dict = {}
+
+    class _Held:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def _price(self, local, storage) -> tuple[int, bool]:
+        if not local.is_floating_point() or self.element_bytes is None:
+            return storage.nbytes(), local.is_floating_point()
+        elements = storage.nbytes() // local.element_size()
+        return elements * (4 if self.in_loss else self.element_bytes), True
+
+    def _release(self, key):
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            if entry[2]:
+                self.live -= entry[1]
+            else:
+                self.live_other -= entry[1]
+            del self._refs[key]
+
+    def _pack(self, t):
+        base = t._base if t._base is not None else t
+        if t.device.type == "meta" or (base.is_leaf and base.requires_grad):  # a parameter (FSDP's unsharded too)
+            return t
+        local, storage = _storage_of(t)
+        key = storage.data_ptr()
+        if key in self.skip:
+            return t
+        if key not in self._refs:
+            nbytes, floating = self._price(local, storage)
+            self._refs[key] = [0, nbytes, floating]
+            if floating:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            else:
+                self.live_other += nbytes
+                self.peak_other = max(self.peak_other, self.live_other)
+        self._refs[key][0] += 1
+        held = self._Held(t)
+        weakref.finalize(held, self._release, key)
+        return held
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if isinstance(x, SavedBytes._Held) else x
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def loss_scope(self, fn):
+        """`fn` with what it saves priced as the loss's fp32 (when re-pricing)."""
+        def wrapped(*args, **kwargs):
+            self.in_loss = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.in_loss = False
+        return wrapped

@@ -31,7 +31,6 @@ import json
 import math
 import os
 import sys
-import weakref
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
@@ -69,83 +68,6 @@ CASES = {
         "zero0-dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero3-dp2-full"],
     4: ["gpipe-pp4", "1f1b-pp4", "zero0-dp4", "zero1-dp4", "zero2-dp4", "zero3-dp4", "1f1b-pp2-dp2"],
 }
-
-
-class SavedBytes:
-    """Peak of the bytes saved for backward that are alive at once, by distinct storage.
-
-    A storage counts from the first tensor saved from it until the autograd graph drops the last
-    one (backward frees saved tensors as it goes). Parameters (and views of them) are weights,
-    not activations, and are skipped. Floating-point storages are priced at `element_bytes` (2:
-    perfsim's bf16), those saved inside `loss_scope` at 4 (the fp32 softmax of the loss, as
-    perfsim prices it); integer and boolean storages (token ids, targets, causal masks) are
-    counted apart, at their own size, since perfsim does not count them."""
-
-    def __init__(self, parameters, element_bytes: int = BF16):
-        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
-        self.element_bytes = element_bytes
-        self.live = self.peak = self.live_other = self.peak_other = 0
-        self.in_loss = False
-        self._refs: dict = {}
-
-    class _Held:
-        __slots__ = ("t", "__weakref__")
-
-        def __init__(self, t):
-            self.t = t
-
-    def _price(self, t, storage) -> tuple[int, bool]:
-        elements = storage.nbytes() // t.element_size()
-        if not t.is_floating_point():
-            return storage.nbytes(), False
-        return elements * (FP32 if self.in_loss else self.element_bytes), True
-
-    def _release(self, key):
-        entry = self._refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            if entry[2]:
-                self.live -= entry[1]
-            else:
-                self.live_other -= entry[1]
-            del self._refs[key]
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip:
-            return t
-        if key not in self._refs:
-            nbytes, floating = self._price(t, storage)
-            self._refs[key] = [0, nbytes, floating]
-            if floating:
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-            else:
-                self.live_other += nbytes
-                self.peak_other = max(self.peak_other, self.live_other)
-        self._refs[key][0] += 1
-        held = self._Held(t)
-        weakref.finalize(held, self._release, key)
-        return held
-
-    @staticmethod
-    def _unpack(x):
-        return x.t if isinstance(x, SavedBytes._Held) else x
-
-    def hooks(self):
-        import torch
-
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def loss_scope(self, fn):
-        def wrapped(*args, **kwargs):
-            self.in_loss = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.in_loss = False
-        return wrapped
 
 
 def gemm_flops(g) -> float:
@@ -266,7 +188,7 @@ def run_case(torch, dist, model, name: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from validate.gpt import GPT, GPTConfig
-    from validate.instrument import RECV, SEND, CollectiveCounter, LocalFlopCounter
+    from validate.instrument import RECV, SEND, CollectiveCounter, LocalFlopCounter, SavedBytes
     from validate.pipeline import Pipeline, token_loss
     from validate.sharded_dp import DataParallel
 
@@ -295,7 +217,7 @@ def run_case(torch, dist, model, name: str) -> dict:
         named = dict(pipe.named_parameters())
         adam = optimizer = MasterAdam(list(named.values()), lr=LR, eps=EPS)
         adam.init_states()
-        meter = meter_box["meter"] = SavedBytes(named.values())
+        meter = meter_box["meter"] = SavedBytes(named.values(), element_bytes=BF16)
         first, last = pipe.has_first, pipe.has_last
         layers = sum(len(mod.layer_ids) for mod in pipe.modules)
         with flops, comms, meter.hooks():

@@ -7,7 +7,7 @@ data parallelism in validate.sharded_dp) and runs it once while the allocator's 
 (Device.allocation_peak), then `warmup - 1` more untimed steps, then times `steps` steps (each the
 slowest rank's time between two barriers), and finally runs one more step
 under the counters: matrix FLOPs (LocalFlopCounter), bytes sent per collective kind
-(CollectiveCounter) and the peak of live bytes saved for backward (SavedActivationCounter). Rank 0
+(CollectiveCounter) and the peak of live bytes saved for backward (SavedBytes). Rank 0
 writes one JSON object; the command side (perfsim/commands/validate.py) predicts the same plan and
 appends both to the ledger.
 
@@ -24,50 +24,9 @@ import os
 import statistics
 import sys
 import time
-import weakref
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang" or "die" makes the last rank fail in its first step
-
-
-class SavedActivationCounter:
-    """Peak bytes of live tensors saved for backward (torch.autograd.graph.saved_tensors_hooks).
-
-    A storage is counted once however many saved tensors view it, from the first save until the
-    last tensor saved from it dies (the autograd graph releases saved tensors as backward runs,
-    or when the graph is freed). Parameters, and views of them, are weights, not activations."""
-
-    def __init__(self):
-        self.live = 0
-        self.peak = 0
-        self._refs: dict = {}  # storage address -> [saved tensors alive, bytes]
-
-    def _release(self, key):
-        entry = self._refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
-
-    def _pack(self, t):
-        base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad or t.device.type == "meta":
-            return t
-        local = getattr(t, "_local_tensor", t)  # a DTensor's memory is its local shard
-        storage = local.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._refs:
-            self._refs[key] = [0, storage.nbytes()]
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self._refs[key][0] += 1
-        weakref.finalize(t, self._release, key)
-        return t
-
-    def hooks(self):
-        import torch
-
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 
 class TensorParallelStep:
@@ -173,7 +132,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
 
     from validate.campaign import rank_environment
     from validate.device import Device, distributed_backend
-    from validate.instrument import CollectiveCounter, LocalFlopCounter
+    from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
 
     ranks = rank_environment()
     dev = Device(device_kind, ranks.local_rank, threads)
@@ -205,7 +164,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     times = job(elapsed[warmup - 1:], dist.ReduceOp.MAX)
     peak = allocated.bytes
 
-    flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedActivationCounter()
+    flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
     with flops, comms, saved.hooks():
         step.run()
     sent = comms.by_kind()
