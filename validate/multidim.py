@@ -267,16 +267,16 @@ class _LayerNorm(torch.autograd.Function):
     all-reduced (fp32), and in backward the two per-token sums of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, gamma, beta, grid, key, hidden, eps, stats_tag):
+    def forward(ctx, x, gamma, beta, grid, key, hidden, eps):
         xf = x.float()
         stats = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), -1)
-        with tag(stats_tag):
+        with tag("stats"):
             grid.all_reduce(stats, key)
         mean = stats[..., 0:1] / hidden
         var = stats[..., 1:2] / hidden - mean * mean
         rstd = torch.rsqrt(var + eps)
         xhat = (xf - mean) * rstd
-        ctx.grid, ctx.key, ctx.hidden, ctx.stats_tag = grid, key, hidden, stats_tag
+        ctx.grid, ctx.key, ctx.hidden = grid, key, hidden
         ctx.save_for_backward(xhat, rstd, gamma)
         return (xhat * gamma.float() + beta.float()).to(x.dtype)
 
@@ -286,12 +286,12 @@ class _LayerNorm(torch.autograd.Function):
         dyf = dy.float()
         g = dyf * gamma.float()
         sums = torch.stack((g.sum(-1), (g * xhat).sum(-1)), -1)
-        with tag(ctx.stats_tag):
+        with tag("stats"):
             ctx.grid.all_reduce(sums, ctx.key)
         dx = rstd * (g - sums[..., 0:1] / ctx.hidden - xhat * sums[..., 1:2] / ctx.hidden)
         dgamma = (dyf * xhat).flatten(0, -2).sum(0).to(gamma.dtype)
         dbeta = dyf.flatten(0, -2).sum(0).to(gamma.dtype)
-        return dx.to(dy.dtype), dgamma, dbeta, None, None, None, None, None
+        return dx.to(dy.dtype), dgamma, dbeta, None, None, None, None
 
 
 class _VocabEmbedding(torch.autograd.Function):
@@ -429,9 +429,9 @@ def _norm_keys(grid: Grid):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, grid: Grid, hidden, eps=1e-5, dtype=None, stats_tag="stats"):
+    def __init__(self, grid: Grid, hidden, eps=1e-5, dtype=None):
         super().__init__()
-        self.grid, self.hidden, self.eps, self.stats_tag = grid, hidden, eps, stats_tag
+        self.grid, self.hidden, self.eps = grid, hidden, eps
         self.stat_key, self.param_key = _norm_keys(grid)
         n = hidden // grid.q // grid.group_size(self.param_key)
         self.weight = nn.Parameter(torch.empty(n, dtype=dtype))
@@ -446,7 +446,7 @@ class LayerNorm(nn.Module):
         replicas = "depth" if g.mode == "2.5d" and g.depth > 1 else None
         gamma = _GatherParam.apply(self.weight, g, self.param_key, 0, replicas)
         beta = _GatherParam.apply(self.bias, g, self.param_key, 0, replicas)
-        return _LayerNorm.apply(x, gamma, beta, g, self.stat_key, self.hidden, self.eps, self.stats_tag)
+        return _LayerNorm.apply(x, gamma, beta, g, self.stat_key, self.hidden, self.eps)
 
 
 def _checkpointed(fn, *args):
@@ -506,8 +506,7 @@ class MultiDimGPT(nn.Module):
         self.embed = nn.Parameter(torch.empty(rows, cfg.hidden // q, dtype=dtype))
         self.pos = nn.Parameter(torch.empty(cfg.seq, cfg.hidden // q // g.group_size(self.pos_key), dtype=dtype))
         self.blocks = nn.ModuleList(Block(grid, cfg, regather, dtype) for _ in range(cfg.layers))
-        # the final norm's statistics are tagged apart: perfsim's head collectives leave them out
-        self.ln_f = LayerNorm(grid, cfg.hidden, dtype=dtype, stats_tag="final_norm")
+        self.ln_f = LayerNorm(grid, cfg.hidden, dtype=dtype)
         self.head = Linear(grid, cfg.hidden, cfg.vocab, False, 0, regather, dtype)
         self.block_context = contextlib.nullcontext  # the check counts each layer's saved tensors
         self.recipes = self._recipes()

@@ -13,14 +13,15 @@ MultiDimGPT, runs one forward and backward on the same batch and records:
 - bytes sent per (grid axis, collective kind), counted at dispatch (AxisCollectiveCounter: the
   CollectiveCounter plus the process group and the program's tag of each collective), against
   perfsim's layer_collectives (x layers, forward repeated under full recomputation) and
-  head_collectives. Activations and weights are re-priced at 2 bytes an element (perfsim's bf16);
-  the LayerNorm and loss statistics stay fp32 as perfsim prices them. The embedding's
-  collectives, the final norm's statistics and the parameter-vector gathers are recorded apart
-  and compared with perfsim in docs/real-steps-multidim.md;
+  head_collectives (final norm, logits, loss), and the embedding's against
+  embedding_collectives. Activations, weights and weight gradients are re-priced at 2 bytes an
+  element (perfsim's bf16); the LayerNorm and loss statistics stay fp32 as perfsim prices them.
+  The parameter-vector gathers, which perfsim leaves out, are recorded apart
+  (docs/real-steps-multidim.md);
 - parameter elements against perfsim.cost.memory.stage_params;
-- bytes each layer saves for backward (torch.autograd.graph.saved_tensors_hooks, each distinct
-  storage once, parameters excluded, floating tensors re-priced at 2 bytes an element) against
-  perfsim.cost.memory.layout_activation_bytes.
+- bytes each layer saves for backward (validate.instrument.SavedBytes around each layer's
+  forward: each distinct storage once, parameters excluded, floating tensors re-priced at 2 bytes
+  an element, boolean masks at 1) against perfsim.cost.memory.layout_activation_bytes.
 
 Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-rank dicts]}]}.
 """
@@ -29,18 +30,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
 from collections import defaultdict
 
 from perfsim.cost import tensor_parallel as tpc
-from perfsim.cost.columns import columns_of
-from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.cost.layer import BF16, FP32
-from perfsim.cost.memory import layout_activation_bytes, stage_params
+from perfsim.cost.memory import layout_activation_bytes
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import RECOMPUTE, Plan
+from validate.tp_check import perfsim_step
 
 MODEL = "layers=2,hidden=64,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false"
 MODES_AT = {4: [("2d", 1)], 8: [("2.5d", 2), ("3d", 1)]}  # world -> (mode, depth)
@@ -52,65 +53,25 @@ def case_names(world: int) -> list[str]:
         (["3d-regather-none"] if world == 8 else [])
 
 
-def gemm_flops(g) -> float:
-    return 2 * g.count * g.m * g.n * g.k
-
-
 def perfsim_expected(model, plan: Plan) -> dict:
-    """What perfsim says one rank does in one forward + backward of one micro-batch."""
-    c = columns_of(plan)
-    layout = tpc.layout_of(model, c)
-    b, vocab = plan.mbs, model.padded_vocab(plan.tp)
-    gemms = tpc.layer_gemms(layout, model, b)
-    layer = sum(gemm_flops(g) for g in gemms)
-    head = gemm_flops(tpc.head_gemm(layout, model, b, vocab))
-    recompute = {"none": 0, "full": layer, "selective": sum(gemm_flops(g) for g in gemms if g.name in ATTENTION_CORE)}
-    flops = 3 * (model.layers * layer + head) + model.layers * recompute[plan.recompute]
-
-    fwd, bwd = tpc.layer_collectives(layout, model, b)
-    layer_colls = fwd + bwd + (fwd if plan.recompute == "full" else [])
-    h_fwd, h_bwd = tpc.head_collectives(layout, model, b, vocab)
-    e_fwd, e_bwd = tpc.embedding_collectives(layout, model, b)
+    """What perfsim says one rank does in one forward + backward of one micro-batch, with the
+    bytes sent per "axis/kind"."""
+    step = perfsim_step(model, plan)
+    layout = step.layout
 
     def by_axis(colls, times=1):
         out = defaultdict(float)
         for x in colls:
             out[f"{x.axis}/{x.kind}"] += times * float(x.count * tpc.sent_bytes(x.kind, x.nbytes, layout.axes[x.axis][0]))
-        return out
+        return {k: v for k, v in out.items() if v}
 
-    stats = fwd[-1]  # the two layer norms' statistics; the final norm issues one more, both ways
-    final_norm = tpc.Collective(stats.kind, stats.nbytes, 1, stats.axis)
-    sent = by_axis(layer_colls, model.layers)
-    for k, v in by_axis(h_fwd + h_bwd).items():
+    sent = defaultdict(float, by_axis(step.layer, model.layers))
+    for k, v in by_axis(step.head).items():
         sent[k] += v
-    return {"flops": float(flops), "sent_bytes": {k: v for k, v in sent.items() if v},
-            "embedding_sent_bytes": {k: v for k, v in by_axis(e_fwd + e_bwd).items() if v},
-            "final_norm_sent_bytes": dict(by_axis([final_norm, final_norm])),
-            "reference_embedding_sent_bytes": reference_embedding_bytes(layout, model, b, vocab),
-            "params": float(stage_params(model, c, "first")),
-            "activation_bytes_per_layer": float(layout_activation_bytes(model, layout, b, c.recompute)),
+    return {"flops": step.flops, "sent_bytes": dict(sent), "embedding_sent_bytes": by_axis(step.embedding),
+            "params": step.params,
+            "activation_bytes_per_layer": float(layout_activation_bytes(model, layout, plan.mbs, step.columns.recompute)),
             "axes": {a: [int(s), int(st)] for a, (s, st) in layout.axes.items()}}
-
-
-def reference_embedding_bytes(layout, model, b, vocab) -> dict:
-    """What the reference's vocabulary-parallel embedding sends per rank (bf16), by axis/kind
-    (docs/real-steps-multidim.md): 2d/2.5d reduce-scatter the partial lookups [T/d, h/q] over `col`
-    and all-gather their gradient back, 2.5d all-reduces the [V/q, h/q] weight gradient over
-    `depth`; 3d all-gathers the weight [V/q, h/q] over `weight`, reduce-scatters [T/q, h/q] over
-    `input`, and backward all-gathers the gradient over `input` and reduce-scatters the weight's
-    over `weight`."""
-    q, d = float(layout.q), float(layout.depth)
-    tokens, h = b * model.seq, model.hidden
-    ring = (q - 1) / q
-    if layout.mode == "3d":
-        x, w = BF16 * tokens / q * h / q, BF16 * vocab / q * h / q
-        return {"weight/all_gather": ring * w, "input/reduce_scatter": ring * x, "input/all_gather": ring * x,
-                "weight/reduce_scatter": ring * w}
-    x = BF16 * tokens / d * h / q
-    out = {"col/reduce_scatter": ring * x, "col/all_gather": ring * x}
-    if d > 1:
-        out["depth/all_reduce"] = 2 * (d - 1) / d * BF16 * vocab / q * h / q
-    return out
 
 
 def axis_counter_class():
@@ -154,35 +115,25 @@ def classify(counter, grid) -> dict:
     names = {g.group_name: key for key, g in grid.groups.items()}
     out = defaultdict(lambda: defaultdict(float))
     for r, group, tag in zip(counter.records, counter.groups, counter.tags):
-        size = FP32 if tag in ("stats", "final_norm") else BF16
+        size = FP32 if tag == "stats" else BF16
         priced = Record(r.kind, r.elements, size, r.group_size).sent_bytes()
         out[str(tag)][f"{names.get(group, group)}/{r.kind}"] += priced
     return {t: dict(v) for t, v in out.items()}
 
 
-class SavedBytes:
-    """Bytes each transformer layer saves for backward (use `layer` as MultiDimGPT.block_context)."""
+@contextlib.contextmanager
+def saved_by_layer(params, per_layer: list):
+    """Bytes one transformer layer saves for backward (MultiDimGPT.block_context), appended to
+    `per_layer`: validate.instrument.SavedBytes around the layer's forward alone. Nothing saved
+    in a forward is freed before its backward, so the meter's live peak over the layer is the
+    layer's total; its booleans (the causal mask), kept apart there, are added back here at their
+    own size (docs/real-steps-multidim.md)."""
+    from validate.instrument import SavedBytes
 
-    def __init__(self, torch, params):
-        self.torch = torch
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.per_layer = []
-
-    @contextlib.contextmanager
-    def layer(self):
-        seen = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.params and ptr not in seen:
-                elements = storage.nbytes() // t.element_size()
-                seen[ptr] = elements * BF16 if t.is_floating_point() else storage.nbytes()
-            return t
-
-        with self.torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.per_layer.append(sum(seen.values()))
+    meter = SavedBytes(params, element_bytes=BF16)
+    with meter.hooks():
+        yield
+    per_layer.append(meter.peak + meter.peak_other)
 
 
 def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) -> dict:
@@ -205,8 +156,8 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
     ref_loss = reference.loss(tokens, targets)
     reference.backward(ref_loss)
 
-    saved = SavedBytes(torch, parallel.parameters())
-    parallel.block_context = saved.layer
+    saved_per_layer = []
+    parallel.block_context = functools.partial(saved_by_layer, list(parallel.parameters()), saved_per_layer)
     flops, collectives = LocalFlopCounter(), axis_counter_class()()
     with flops, collectives:
         share = parallel.loss(tokens, targets)
@@ -239,10 +190,11 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
 
     expected = perfsim_expected(model, plan)
     counted = classify(collectives, grid)
-    modelled = defaultdict(float)
+    modelled = defaultdict(float)  # layers, final norm and head
     for t in ("None", "stats"):
         for k, v in counted.get(t, {}).items():
             modelled[k] += v
+    kept = ("None", "stats", "embedding", "param")
     return {
         "loss": loss, "reference_loss": float(ref_loss.detach()), "grad_max_abs_error": grad_err,
         "grad_max_abs": grad_scale, "uncovered_grads": uncovered,
@@ -250,15 +202,11 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
         "flops": {"counted": flops.total(), "perfsim": expected["flops"], "by_op": flops.by_op()},
         "sent_bytes": {"counted": dict(modelled), "perfsim": expected["sent_bytes"],
                        "embedding": counted.get("embedding", {}), "perfsim_embedding": expected["embedding_sent_bytes"],
-                       "reference_embedding": expected["reference_embedding_sent_bytes"],
-                       "final_norm": counted.get("final_norm", {}), "perfsim_final_norm": expected["final_norm_sent_bytes"],
                        "param": counted.get("param", {}),
-                       "other": {t: v for t, v in counted.items()
-                                 if t not in ("None", "stats", "embedding", "final_norm", "param")},
+                       "other": {t: v for t, v in counted.items() if t not in kept},
                        "as_asked_fp32": collectives.by_kind(), "gloo_wire_fp32": collectives.gloo_wire_by_kind()},
-        "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"],
-                   "final_norm_whole": 2 * model.hidden, "final_norm_local": parallel.ln_f.weight.numel() * 2},
-        "saved_bytes": {"per_layer": saved.per_layer, "perfsim_per_layer": expected["activation_bytes_per_layer"]},
+        "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"]},
+        "saved_bytes": {"per_layer": saved_per_layer, "perfsim_per_layer": expected["activation_bytes_per_layer"]},
     }
 
 

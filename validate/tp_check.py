@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -52,8 +53,21 @@ def gemm_flops(g) -> float:
     return 2 * g.count * g.m * g.n * g.k
 
 
-def perfsim_expected(model, plan: Plan) -> dict:
-    """What perfsim says one rank does in one forward + backward of one micro-batch."""
+@dataclasses.dataclass
+class PerfsimStep:
+    """What perfsim says one tensor-parallel rank does in one forward + backward of one
+    micro-batch with pp = 1 (shared by tp_check and multidim_check)."""
+
+    columns: object
+    layout: object
+    flops: float  # matrix FLOPs: layers and head x 3, plus what recomputation repeats
+    layer: list  # one layer's collectives: forward, backward, the forward again under full recomputation
+    embedding: list  # forward + backward
+    head: list  # forward + backward (final norm, logits, loss)
+    params: float  # stage_params of the single stage
+
+
+def perfsim_step(model, plan: Plan) -> PerfsimStep:
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
     b, vocab = plan.mbs, model.padded_vocab(plan.tp)
@@ -62,18 +76,23 @@ def perfsim_expected(model, plan: Plan) -> dict:
     head = gemm_flops(tpc.head_gemm(layout, model, b, vocab))
     recompute = {"none": 0, "full": layer, "selective": sum(gemm_flops(g) for g in gemms if g.name in ATTENTION_CORE)}
     flops = 3 * (model.layers * layer + head) + model.layers * recompute[plan.recompute]
-
     fwd, bwd = tpc.layer_collectives(layout, model, b)
     e_fwd, e_bwd = tpc.embedding_collectives(layout, model, b)
     h_fwd, h_bwd = tpc.head_collectives(layout, model, b, vocab)
-    layer_colls = fwd + bwd + (fwd if plan.recompute == "full" else [])
+    return PerfsimStep(c, layout, float(flops), fwd + bwd + (fwd if plan.recompute == "full" else []),
+                       e_fwd + e_bwd, h_fwd + h_bwd, float(stage_params(model, c, "first")))
+
+
+def perfsim_expected(model, plan: Plan) -> dict:
+    """What perfsim says one rank does in one forward + backward of one micro-batch."""
+    step = perfsim_step(model, plan)
     per_kind = {}
     for kind in (tpc.ALL_REDUCE, tpc.ALL_GATHER, tpc.REDUCE_SCATTER):
-        pick = [x for x in layer_colls if x.kind == kind]
-        edge = [x for x in e_fwd + e_bwd + h_fwd + h_bwd if x.kind == kind]
-        per_kind[kind] = float(model.layers * tpc.collectives_sent_bytes(layout, pick)
-                               + tpc.collectives_sent_bytes(layout, edge))
-    return {"flops": float(flops), "sent_bytes": per_kind, "params": float(stage_params(model, c, "first"))}
+        pick = [x for x in step.layer if x.kind == kind]
+        edge = [x for x in step.embedding + step.head if x.kind == kind]
+        per_kind[kind] = float(model.layers * tpc.collectives_sent_bytes(step.layout, pick)
+                               + tpc.collectives_sent_bytes(step.layout, edge))
+    return {"flops": step.flops, "sent_bytes": per_kind, "params": step.params}
 
 
 def perfsim_saved_bytes(model, plan: Plan) -> dict:

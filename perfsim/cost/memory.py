@@ -86,8 +86,9 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
     """Parameters one device holds for the "first", a "middle" or the "last" pipeline stage,
     before ZeRO-3 sharding.
 
-    1d shards the linears and the vocabulary t ways and replicates norms and the row-parallel
-    biases; 2d and 2.5d shard everything q^2 ways (2.5d replicates over its depth), 3d q^3 ways."""
+    1d shards the linears and the vocabulary t ways and replicates norms (the final one too) and
+    the row-parallel biases; 2d and 2.5d shard everything, the final norm included, q^2 ways (2.5d
+    replicates over its depth), 3d q^3 ways."""
     t, p = c.tp, c.pp
     pieces = counts.layer_params(model)
     h = model.hidden
@@ -96,15 +97,16 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         bias = h if model.bias else 0
         replicated = pieces["norms"] + 2 * bias  # norms, and the biases of the row-parallel linears
         per_layer = (sum(pieces.values()) - replicated) / t + replicated
-        shard, position = t, emb["position"]
+        shard, position, final_norm = t, emb["position"], counts.norm_params(model)
     else:
         shard = weight_shard(c.tp_mode, t, c.tp_depth)
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
+        final_norm = counts.norm_params(model) / shard
     params = per_layer * model.layers / p
     word = model.padded_vocab(t) * h / shard
     first = word + position
-    last = counts.norm_params(model) + np.where(model.tied_embeddings & (p == 1), 0, word)
+    last = final_norm + np.where(model.tied_embeddings & (p == 1), 0, word)
     if stage == "middle":
         return params
     return params + np.where(p == 1, first + last, last if stage == "last" else first)

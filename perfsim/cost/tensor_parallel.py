@@ -179,10 +179,16 @@ def layer_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, list]:
         fwd, bwd = linear_collectives(layout, index, tokens, h_in, h_out)
         forward += fwd
         backward += bwd
-    # Two norms a layer: mean and mean of squares (fp32) summed over the hidden axis, both ways.
-    stats = Collective(ALL_REDUCE, 2 * FP32 * tokens * layout.axes[_hidden_axis(layout)][0] / layout.size, 2,
-                       _hidden_axis(layout))
+    stats = norm_statistics(layout, tokens, 2)  # two norms a layer
     return forward + [stats], backward + [stats]
+
+
+def norm_statistics(layout: Layout, tokens, norms) -> Collective:
+    """The all-reduces of `norms` LayerNorms over the axis splitting the hidden dimension (2d, 2.5d,
+    3d), one direction: per token of the device's block, the fp32 sum and sum of squares forward,
+    the two sums of the gradient backward."""
+    axis = _hidden_axis(layout)
+    return Collective(ALL_REDUCE, 2 * FP32 * tokens * layout.axes[axis][0] / layout.size, norms, axis)
 
 
 def _boundary(activation_bytes, sp, count):
@@ -196,17 +202,31 @@ def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, li
     """Vocabulary-parallel embedding: the partial lookups of the vocabulary shards are summed.
 
     1d: all-reduce of [b, s, h] (reduce-scatter into the SP region, all-gather back in backward).
-    2d/2.5d/3d: the vocabulary is split along one axis (col; weight for 3d); the partial sums of
-    the device's output block, 1/P of [b, s, h], are all-reduced over it (an approximation:
-    docs/assumptions.md)."""
+    2d/2.5d: each device holds E[V/q rows, h/q columns] (rows split over `col`), looks its rows up
+    for every token of its depth slice, [T/d, h/q], and the partial sums are reduce-scattered over
+    `col` to the [T/(dq), h/q] activation block; backward all-gathers the gradient over `col`, and
+    2.5d all-reduces the [V/q, h/q] weight gradient over `depth` (replicas of the block).
+    3d: the [V/q^2, h/q] shard is all-gathered over `weight` to [V/q, h/q], looked up for the T/q
+    tokens of the device's super-block and reduce-scattered over `input`; backward all-gathers the
+    gradient over `input` and reduce-scatters the weight gradient over `weight`.
+    Weight gradients are bf16 here, as the linears' weight-gradient collectives (docs/equations.md 4.7)."""
     activation = BF16 * b * model.seq * model.hidden
     if layout.mode == "1d":
         sp = layout.region_split > 1
         return ([Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
                  Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))],
                 [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))])
-    axis = "weight" if layout.mode == "3d" else "col"
-    return [Collective(ALL_REDUCE, activation / layout.size, 1, axis)], []
+    q, d = layout.q, layout.depth
+    weight = BF16 * model.padded_vocab(layout.size) / q * model.hidden / q  # [V/q, h/q]
+    if layout.mode == "3d":
+        lookups = activation / q**2  # [T/q, h/q]
+        return ([Collective(ALL_GATHER, weight, 1, "weight"), Collective(REDUCE_SCATTER, lookups, 1, "input")],
+                [Collective(ALL_GATHER, lookups, 1, "input"), Collective(REDUCE_SCATTER, weight, 1, "weight")])
+    lookups = activation / (d * q)  # [T/d, h/q]
+    backward = [Collective(ALL_GATHER, lookups, 1, "col")]
+    if layout.mode == "2.5d":
+        backward.append(Collective(ALL_REDUCE, weight, np.where(d > 1, 1, 0), "depth"))
+    return [Collective(REDUCE_SCATTER, lookups, 1, "col")], backward
 
 
 def head_gemm(layout: Layout, model: ModelSpec, b, vocab) -> Gemm:
@@ -215,7 +235,8 @@ def head_gemm(layout: Layout, model: ModelSpec, b, vocab) -> Gemm:
 
 def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, list]:
     """Logits (a vocabulary-parallel linear) and the vocabulary-parallel cross-entropy, which
-    all-reduces the max, the target logit and the sum of exponentials ([tokens] in fp32)."""
+    all-reduces the max, the target logit and the sum of exponentials ([tokens] in fp32); in
+    2d/2.5d/3d also the final LayerNorm's statistics (1d: its rows are whole, no collective)."""
     tokens = b * model.seq
     if layout.mode == "1d":
         activation = BF16 * tokens * model.hidden
@@ -225,6 +246,8 @@ def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, 
                     Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
         return forward, backward
     forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab)
+    final_norm = norm_statistics(layout, tokens, 1)  # the final LayerNorm before the logits
+    forward, backward = [final_norm] + forward, [final_norm] + backward
     # the axis that splits the logits' vocabulary: the output block of a first linear lies along
     # `row` in 2d/2.5d and along `input` in 3d (section 4.1); its tokens are those of that block
     axis = "input" if layout.mode == "3d" else "row"
