@@ -153,3 +153,116 @@ def test_3d_keeping_gathered_copies_costs_memory_and_saves_traffic():
     assert keep.memory_bytes["activations"] > regather.memory_bytes["activations"]
     assert keep.time_breakdown_s["tp_comm"] < regather.time_breakdown_s["tp_comm"]
     assert math.isclose(keep.model_flops_per_step, regather.model_flops_per_step)
+
+
+# --- embedding and final norm of the multi-dimensional modes (docs/equations.md 4.7) ---------------
+
+def _padded_vocab(tp):
+    step = 128 * tp  # Megatron pads to a multiple of 128 t
+    return -(-32000 // step) * step
+
+
+def _by_axis_kind(lay, collectives):
+    out = {}
+    for x in collectives:
+        sent = float(tpc.collectives_sent_bytes(lay, [x]))
+        if sent:
+            out[(x.axis, x.kind)] = out.get((x.axis, x.kind), 0.0) + sent
+    return out
+
+
+def _assert_same(got, expected):
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
+
+
+@pytest.mark.parametrize("q", [2, 4])
+def test_2d_embedding_reduce_scatters_the_lookups_and_gathers_their_gradient_on_col(q):
+    lay, plan = layout("2d", q * q, mbs=2 * q)
+    T, h = plan.mbs * MODEL.seq, MODEL.hidden
+    fwd, bwd = tpc.embedding_collectives(lay, MODEL, plan.mbs)
+    lookups = (q - 1) / q * T * h / q * B  # [T, h/q] partial sums over the q vocabulary blocks of a column
+    _assert_same(_by_axis_kind(lay, fwd), {("col", "reduce_scatter"): lookups})
+    _assert_same(_by_axis_kind(lay, bwd), {("col", "all_gather"): lookups})
+
+
+@pytest.mark.parametrize("q,d", [(2, 2), (2, 4), (4, 2)])
+def test_2p5d_embedding_adds_the_weight_gradient_all_reduce_over_depth(q, d):
+    lay, plan = layout("2.5d", q * q * d, mbs=q * d, depth=d)
+    T, h, V = plan.mbs * MODEL.seq, MODEL.hidden, _padded_vocab(q * q * d)
+    fwd, bwd = tpc.embedding_collectives(lay, MODEL, plan.mbs)
+    lookups = (q - 1) / q * (T / d) * (h / q) * B  # one depth slice's tokens
+    weight_grad = 2 * (d - 1) / d * (V / q) * (h / q) * B  # [V/q, h/q], replicated over depth
+    _assert_same(_by_axis_kind(lay, fwd), {("col", "reduce_scatter"): lookups})
+    _assert_same(_by_axis_kind(lay, bwd), {("col", "all_gather"): lookups, ("depth", "all_reduce"): weight_grad})
+
+
+@pytest.mark.parametrize("q", [2, 4])
+@pytest.mark.parametrize("regather", [False, True])
+def test_3d_embedding_gathers_the_weight_and_reduce_scatters_on_input(q, regather):
+    lay, plan = layout("3d", q**3, mbs=q * q, regather=regather)
+    T, h, V = plan.mbs * MODEL.seq, MODEL.hidden, _padded_vocab(q**3)
+    fwd, bwd = tpc.embedding_collectives(lay, MODEL, plan.mbs)
+    weight = (q - 1) / q * (V / q) * (h / q) * B  # [V/q^2, h/q] gathered to [V/q, h/q]
+    lookups = (q - 1) / q * (T / q) * (h / q) * B  # [T/q, h/q] scattered to [T/q^2, h/q]
+    _assert_same(_by_axis_kind(lay, fwd), {("weight", "all_gather"): weight, ("input", "reduce_scatter"): lookups})
+    _assert_same(_by_axis_kind(lay, bwd), {("input", "all_gather"): lookups, ("weight", "reduce_scatter"): weight})
+    # the closed form 2 (q-1)/q^3 (T h + V h)
+    total = float(tpc.collectives_sent_bytes(lay, fwd + bwd))
+    assert total == pytest.approx(2 * (q - 1) / q**3 * (T * h + V * h) * B, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,tp,depth,expected", [("2d", 4, 1, 4096), ("2.5d", 8, 2, 34816), ("3d", 8, 1, 34816)])
+def test_embedding_bytes_of_the_real_steps_model(mode, tp, depth, expected):
+    """The small GPT of validate/multidim_check.py (h 64, s 16, V 512 padded to 128 P, 4 sequences),
+    whose real steps sent these bytes (docs/real-steps-multidim.md). By hand: 2d q 2: 2 x 1/2 x
+    64 x 32 x 2; 2.5d: 2 x 1/2 x 32 x 32 x 2 + 1/2 x 2 x 512 x 32 x 2 (V = 1024); 3d:
+    2 x 1/8 x (64 x 64 + 1024 x 64) x 2."""
+    model = build_model("small", dict(layers=2, hidden=64, heads=4, seq=16, vocab=512), "test")
+    plan = perfsim.Plan(tp=tp, tp_mode=mode, tp_depth=depth, mbs=4, gbs=4)
+    lay = tpc.layout_of(model, columns_of(plan))
+    fwd, bwd = tpc.embedding_collectives(lay, model, 4)
+    assert float(tpc.collectives_sent_bytes(lay, fwd + bwd)) == expected
+
+
+@pytest.mark.parametrize("mode,tp,depth,axis,q", [("2d", 16, 1, "row", 4), ("2.5d", 8, 2, "row", 2), ("3d", 8, 1, "output", 2)])
+def test_final_norm_all_reduces_its_statistics_each_way(mode, tp, depth, axis, q):
+    lay, plan = layout(mode, tp, mbs=q * q * depth, depth=depth)
+    T = plan.mbs * MODEL.seq
+    vocab = _padded_vocab(tp)
+    fwd, bwd = tpc.head_collectives(lay, MODEL, plan.mbs, vocab)
+    linear_fwd, linear_bwd = tpc.linear_collectives(lay, 0, T, MODEL.hidden, vocab)
+    norm = 2 * (q - 1) / q * 2 * 4 * T * q / tp  # fp32 sum and sum of squares of the device's T q / P tokens
+    loss_axis = "input" if mode == "3d" else "row"
+    loss = 2 * (q - 1) / q * 3 * 4 * T * q / tp
+    expected_fwd = _by_axis_kind(lay, linear_fwd)
+    expected_fwd[(axis, "all_reduce")] = expected_fwd.get((axis, "all_reduce"), 0.0) + norm
+    expected_fwd[(loss_axis, "all_reduce")] = expected_fwd.get((loss_axis, "all_reduce"), 0.0) + loss
+    expected_bwd = _by_axis_kind(lay, linear_bwd)
+    expected_bwd[(axis, "all_reduce")] = expected_bwd.get((axis, "all_reduce"), 0.0) + norm
+    _assert_same(_by_axis_kind(lay, fwd), expected_fwd)
+    _assert_same(_by_axis_kind(lay, bwd), expected_bwd)
+
+
+def test_1d_final_norm_issues_no_collective():
+    lay, plan = layout("1d", 8, mbs=2)
+    fwd, bwd = tpc.head_collectives(lay, MODEL, plan.mbs, _padded_vocab(8))
+    T = plan.mbs * MODEL.seq
+    sent = float(tpc.collectives_sent_bytes(lay, fwd + bwd))
+    # the three loss all-reduces and the backward all-reduce of the head input, nothing else
+    assert sent == pytest.approx(2 * 7 / 8 * (3 * 4 * T + B * T * MODEL.hidden), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,tp,depth,shard", [("1d", 4, 1, None), ("2d", 4, 1, 4), ("2.5d", 8, 2, 4), ("3d", 8, 1, 8)])
+def test_last_stage_holds_its_share_of_the_final_norm(mode, tp, depth, shard):
+    from perfsim.cost.memory import stage_params
+
+    h = MODEL.hidden
+    plan = perfsim.Plan(tp=tp, tp_mode=mode, tp_depth=depth, pp=2, mbs=8, gbs=16)
+    c = columns_of(plan)
+    ends = float(stage_params(MODEL, c, "last") - stage_params(MODEL, c, "middle"))
+    if shard is None:  # 1d: the final norm whole on every rank, the output layer split t ways
+        assert ends == pytest.approx(2 * h + _padded_vocab(tp) * h / tp, rel=1e-12)
+    else:
+        assert ends == pytest.approx((2 * h + _padded_vocab(tp) * h) / shard, rel=1e-12)
