@@ -216,10 +216,8 @@ def record(result_path: str, plan: dict, model_spec: str, system_name: str, npro
     with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}, check=timing.step_record_problem) as ledger:
         if ledger.done(key):
             return False
-        ledger.append({"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
-                       "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "measured": measured,
-                       "predicted": timing.predicted(load_model(model_spec), system, plan, dtype),
-                       "system": system.name})
+        prediction = timing.predicted(load_model(model_spec), system, plan, dtype)
+        ledger.append(timing.step_record(key, model_spec, plan, dtype, steps, warmup, measured, prediction, system))
     return True
 
 

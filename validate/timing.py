@@ -168,6 +168,15 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"]}
 
 
+def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup: int, measured: dict,
+                prediction: dict, system) -> dict:
+    """The ledger record of one plan's measured step and its prediction: the local run (run_plans)
+    and the Slurm job (validate.slurm.record) write the same, so either one resumes from the other's ledger."""
+    return {"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
+            "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "measured": measured,
+            "predicted": prediction, "system": system.name}
+
+
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
               threads=None, progress=None) -> list:
@@ -195,9 +204,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                 measured, source = earlier[key]["measured"], "from the ledger"
             else:
                 measured = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads)
-                ledger.append({"key": key, "suite": "step", "op": "training_step", "dtype": dtype,
-                               "model": model_spec, "plan": plan.as_dict(), "steps": steps, "warmup": warmup,
-                               "measured": measured, "predicted": prediction, "system": system.name})
+                ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, measured, prediction, system))
                 source = "measured"
             entry = _entry(plan, prediction, measured)
             results.append(entry)
