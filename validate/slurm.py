@@ -44,29 +44,39 @@ ONECCL_ENV = (
 )
 
 
-@dataclass(frozen=True)
-class Job:
+@dataclass(frozen=True, kw_only=True)
+class BatchJob:
+    """The Slurm settings both batch scripts take (_preamble writes them)."""
     nodes: int
-    worker_argv: tuple  # `perfsim calibrate --worker ...` arguments (validate.campaign.worker_argv)
-    fit_argv: tuple  # `perfsim calibrate --fit ...` arguments, or empty
     time: str = "01:00:00"
     partition: str | None = None
     account: str | None = None
-    job_name: str = "perfsim-calibrate"
-    setup: tuple = ()  # shell lines run before the campaign (module load, activate a venv)
+    job_name: str
+    setup: tuple = ()  # shell lines run before the work (module load, activate a venv)
     port_base: int = 29500
 
 
-def _header(job, what: str, written_by: str, note: tuple) -> list:
+@dataclass(frozen=True, kw_only=True)
+class Job(BatchJob):
+    """A calibration campaign on `nodes` x 8 tiles."""
+    worker_argv: tuple  # `perfsim calibrate --worker ...` arguments (validate.campaign.worker_argv)
+    fit_argv: tuple  # `perfsim calibrate --fit ...` arguments, or empty
+    job_name: str = "perfsim-calibrate"
+
+
+def _preamble(job: BatchJob, what: str, written_by: str, resubmitting: str, port: str) -> list:
+    """Both scripts' lines up to their work: the Slurm header, the software and device environment,
+    and the rendezvous on MASTER_PORT=`port` (a shell expression); `resubmitting` says what a
+    second submission of the same script does."""
     lines = ["#!/bin/bash", f"# {what} on SuperMUC-NG Phase 2: one rank per Max 1550 tile, 8 tiles per node.",
-             f"# Written by `{written_by}`; " + note[0]] + [f"# {n}" for n in note[1:]] + [
-        f"#SBATCH --job-name={job.job_name}",
-        f"#SBATCH --nodes={job.nodes}",
-        f"#SBATCH --ntasks-per-node={TILES_PER_NODE}",
-        f"#SBATCH --time={job.time}",
-        "#SBATCH --exclusive",
-        f"#SBATCH --output={job.job_name}-%j.out",
-    ]
+             f"# Written by `{written_by}`; submit with `sbatch` from the folder that should",
+             f"# hold the ledger. Resubmitting the same script {resubmitting}.",
+             f"#SBATCH --job-name={job.job_name}",
+             f"#SBATCH --nodes={job.nodes}",
+             f"#SBATCH --ntasks-per-node={TILES_PER_NODE}",
+             f"#SBATCH --time={job.time}",
+             "#SBATCH --exclusive",
+             f"#SBATCH --output={job.job_name}-%j.out"]
     if job.partition:
         lines.append(f"#SBATCH --partition={job.partition}")
     if job.account:
@@ -81,11 +91,7 @@ def _header(job, what: str, written_by: str, note: tuple) -> list:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in LEVEL_ZERO_ENV]
     lines += ["", "# oneCCL settings validated on SMNG-P2 (shared/reference/hardware.md)"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in ONECCL_ENV]
-    return lines
-
-
-def _rendezvous(port: str) -> list:
-    return [
+    return lines + [
         "",
         "# Rendezvous on the first node of the allocation; each rank takes RANK, WORLD_SIZE and",
         "# LOCAL_RANK from PMI_RANK, PMI_SIZE and PALS_LOCAL_RANKID set by mpiexec.",
@@ -103,10 +109,8 @@ def _command(argv) -> str:
 
 def script(job: Job) -> str:
     """The calibration batch script's text (deterministic: the golden-file test compares it byte for byte)."""
-    lines = _header(job, "perfsim calibrate", "perfsim calibrate --emit-slurm",
-                    ("submit with `sbatch` from the folder that should",
-                     "hold the ledger. Resubmitting the same script resumes from the ledger."))
-    lines += _rendezvous(f"$(( {job.port_base} + SLURM_JOB_ID % 1000 ))")
+    lines = _preamble(job, "perfsim calibrate", "perfsim calibrate --emit-slurm", "resumes from the ledger",
+                      f"$(( {job.port_base} + SLURM_JOB_ID % 1000 ))")
     lines += [
         "",
         'echo "perfsim calibrate: $NRANKS ranks on $SLURM_NNODES nodes, rendezvous $MASTER_ADDR:$MASTER_PORT"',
@@ -121,11 +125,10 @@ def script(job: Job) -> str:
 MAX_PLANS = 100  # plan i rendezvouses on port base + i, inside the job's block of 100 ports
 
 
-@dataclass(frozen=True)
-class ValidationJob:
+@dataclass(frozen=True, kw_only=True)
+class ValidationJob(BatchJob):
     """A training-step validation on `nodes` x 8 tiles: every plan (perfsim Plan dicts) measured by
     `python -m validate.steps`, then compared by `perfsim validate --device xpu`."""
-    nodes: int
     plans: tuple  # of Plan.as_dict() dicts
     model: str
     system: str
@@ -136,12 +139,7 @@ class ValidationJob:
     ledger: str = "validation-xpu.jsonl"
     results: str = "validation-xpu-results"  # folder of rank 0's per-plan JSON
     out: str = "validation-xpu.json"  # the `perfsim validate --json` output
-    time: str = "01:00:00"
-    partition: str | None = None
-    account: str | None = None
     job_name: str = "perfsim-validate"
-    setup: tuple = ()
-    port_base: int = 29500
 
     @property
     def world(self) -> int:
@@ -160,10 +158,8 @@ def validation_script(job: ValidationJob) -> str:
     if not 1 <= len(job.plans) <= MAX_PLANS:
         raise ValueError(f"a validation job runs 1 to {MAX_PLANS} plans, got {len(job.plans)}")
     common = ("--model", job.model, "--dtype", job.dtype, "--steps", str(job.steps), "--warmup", str(job.warmup))
-    lines = _header(job, "perfsim validate (real training steps)", "perfsim validate --emit-slurm",
-                    ("submit with `sbatch` from the folder that should",
-                     "hold the ledger. Resubmitting the same script skips the plans already measured."))
-    lines += _rendezvous(f"$(( {job.port_base} + SLURM_JOB_ID % 100 * {MAX_PLANS} ))")
+    lines = _preamble(job, "perfsim validate (real training steps)", "perfsim validate --emit-slurm",
+                      "skips the plans already measured", f"$(( {job.port_base} + SLURM_JOB_ID % 100 * {MAX_PLANS} ))")
     lines += [
         "PORT0=$MASTER_PORT",
         f"RESULTS={shlex.quote(job.results)}",
