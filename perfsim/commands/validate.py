@@ -54,11 +54,31 @@ def _add_slurm_flags(p) -> None:
                    help="shell line run before the steps (module load ..., source venv/bin/activate); repeatable")
 
 
+def _chosen_plans(args, devices: int, **case) -> tuple:
+    """(plans, whether they are the default set) on `devices` ranks: `--plans`, else the plan flags
+    as one plan (perfsim.cli.build_case, with `devices` and `case` -- model, system, nodes -- set
+    on args), else validate.timing's default set."""
+    from perfsim.cli import PLAN_FLAGS
+    from validate import timing
+
+    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    if args.plans and given:
+        raise PerfsimError("give either --plans or plan flags (--tp, --pp, ...), not both")
+    if args.plans:
+        return timing.parse_plans(args.plans), False
+    if given:
+        from perfsim.cli import build_case
+
+        for name, value in dict(case, devices=devices).items():
+            setattr(args, name, value)
+        return [build_case(args)[2]], False
+    return timing.default_plans(devices), True
+
+
 def emit_slurm(args) -> None:
     """`--emit-slurm FILE --nodes N`: the SMNG-P2 validation job (validate/slurm.py writes its text)."""
     import os
 
-    from perfsim.cli import PLAN_FLAGS
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
@@ -78,23 +98,12 @@ def emit_slurm(args) -> None:
     model_spec, system = args.model or timing.DEFAULT_MODEL, args.system or "smng-p2"
     model = load_model(model_spec)
     load_system(system)
-    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
-    if args.plans and given:
-        raise PerfsimError("give either --plans or plan flags (--tp, --pp, ...), not both")
-    if args.plans:
-        plans = timing.parse_plans(args.plans)
-    elif given:
-        from perfsim.cli import build_case
-
-        args.model, args.system, args.nodes, args.devices = model_spec, None, None, world
-        plans = [build_case(args)[2]]
-    else:
-        plans = timing.default_plans(world)
+    plans, defaulted = _chosen_plans(args, world, model=model_spec, system=None, nodes=None)
     for plan in plans:
         problems = plan_problems(plan, model, world)
         if problems:
             raise PerfsimError(f"plan {timing.plan_label(plan)} on {world} tiles: {'; '.join(problems)}"
-                               + ("" if args.plans or given else " (give --plans for this node count)"))
+                               + (" (give --plans for this node count)" if defaulted else ""))
     if len(plans) > slurm.MAX_PLANS:
         raise PerfsimError(f"a validation job runs at most {slurm.MAX_PLANS} plans, got {len(plans)}")
     ledger = args.ledger or "validation-xpu.jsonl"
@@ -163,7 +172,6 @@ def format_comparison(r: dict) -> str:
 
 def run_steps(args) -> list:
     """The --device timing run."""
-    from perfsim.cli import PLAN_FLAGS
     from validate import timing
 
     if args.megatron_log is not None:
@@ -178,18 +186,7 @@ def run_steps(args) -> list:
         raise PerfsimError(f"--device {args.device} needs --system: the profile calibrated for it "
                            f"(perfsim calibrate --device {args.device} ... --out PROFILE.toml)")
     model = args.model or timing.DEFAULT_MODEL
-    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
-    if args.plans and given:
-        raise PerfsimError("give either --plans or plan flags (--tp, --pp, ...), not both")
-    if args.plans:
-        plans = timing.parse_plans(args.plans)
-    elif given:
-        from perfsim.cli import build_case
-
-        args.model, args.system, args.devices = model, system, nproc
-        plans = [build_case(args)[2]]
-    else:
-        plans = timing.default_plans(nproc)
+    plans = _chosen_plans(args, nproc, model=model, system=system)[0]
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
                                args.ledger, float(args.timeout), args.threads)
     print(json.dumps(results, indent=2) if args.json else timing.format_table(results))
