@@ -22,29 +22,53 @@ ARGS = ("calibrate", "--emit-slurm", "job.sbatch", "--nodes", "4", "--time", "02
         "--account", "pn12ab", "--setup", "module load intel-oneapi-compilers",
         "--setup", 'source "$HOME/venvs/torch-xpu/bin/activate"', "--ledger", "smng-p2.jsonl",
         "--out", "smng-p2-calibrated.toml")
+VALIDATE_MODEL = "layers=4,hidden=512,heads=16,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
+VALIDATE_PLANS = "tp=16,sp=true,recompute=selective;tp=8,pp=2,gbs=8;tp=8,dp=2,zero=1,gbs=2"
+VALIDATE_ARGS = ("validate", "--emit-slurm", "validate.sbatch", "--nodes", "2", "--model", VALIDATE_MODEL,
+                 "--plans", VALIDATE_PLANS, "--steps", "5", "--time", "00:30:00", "--account", "pn12ab",
+                 "--setup", 'source "$HOME/venvs/torch-xpu/bin/activate"', "--ledger", "steps.jsonl")
+
+
+def emit(run_cli, tmp_path, monkeypatch, args, *said) -> Path:
+    """Run an --emit-slurm command line in tmp_path; the script it wrote (args[2])."""
+    monkeypatch.chdir(tmp_path)
+    r = run_cli(*args)
+    assert r.code == 0, r.err
+    for text in said:
+        assert text in r.out
+    return tmp_path / args[2]
 
 
 @pytest.fixture
 def emitted(run_cli, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    r = run_cli(*ARGS)
-    assert r.code == 0, r.err
-    assert "sbatch job.sbatch" in r.out
-    return tmp_path / "job.sbatch"
+    return emit(run_cli, tmp_path, monkeypatch, ARGS, "sbatch job.sbatch")
 
 
-def test_script_matches_golden_file(emitted):
-    text = emitted.read_text()
+@pytest.fixture
+def validation_job(run_cli, tmp_path, monkeypatch):
+    return emit(run_cli, tmp_path, monkeypatch, VALIDATE_ARGS, "3 plan(s) on 2 nodes", "sbatch validate.sbatch")
+
+
+# Both scripts, by fixture name, with their golden files.
+SCRIPTS = pytest.mark.parametrize("job, golden", [("emitted", GOLDEN), ("validation_job", VALIDATE_GOLDEN)],
+                                  ids=["calibrate", "validate"])
+
+
+@SCRIPTS
+def test_script_matches_golden_file(request, job, golden):
+    text = request.getfixturevalue(job).read_text()
     if os.environ.get("PERFSIM_UPDATE_GOLDEN"):
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text()
+        golden.write_text(text)
+    assert text == golden.read_text()
 
 
+@SCRIPTS
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_script_passes_bash_syntax_check(emitted):
-    result = subprocess.run(["bash", "-n", str(emitted)], capture_output=True, text=True)
+def test_script_passes_bash_syntax_check(request, job, golden):
+    script = request.getfixturevalue(job)
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert os.access(emitted, os.X_OK)
+    assert os.access(script, os.X_OK)
 
 
 def test_script_carries_the_smng_p2_settings(emitted):
@@ -95,36 +119,6 @@ def test_emit_slurm_and_fit_never_import_torch(tmp_path):
 
 
 # --- perfsim validate --emit-slurm ------------------------------------------------------------
-
-VALIDATE_MODEL = "layers=4,hidden=512,heads=16,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
-VALIDATE_PLANS = "tp=16,sp=true,recompute=selective;tp=8,pp=2,gbs=8;tp=8,dp=2,zero=1,gbs=2"
-VALIDATE_ARGS = ("validate", "--emit-slurm", "validate.sbatch", "--nodes", "2", "--model", VALIDATE_MODEL,
-                 "--plans", VALIDATE_PLANS, "--steps", "5", "--time", "00:30:00", "--account", "pn12ab",
-                 "--setup", 'source "$HOME/venvs/torch-xpu/bin/activate"', "--ledger", "steps.jsonl")
-
-
-@pytest.fixture
-def validation_job(run_cli, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    r = run_cli(*VALIDATE_ARGS)
-    assert r.code == 0, r.err
-    assert "3 plan(s) on 2 nodes" in r.out and "sbatch validate.sbatch" in r.out
-    return tmp_path / "validate.sbatch"
-
-
-def test_validation_script_matches_golden_file(validation_job):
-    text = validation_job.read_text()
-    if os.environ.get("PERFSIM_UPDATE_GOLDEN"):
-        VALIDATE_GOLDEN.write_text(text)
-    assert text == VALIDATE_GOLDEN.read_text()
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_validation_script_passes_bash_syntax_check(validation_job):
-    result = subprocess.run(["bash", "-n", str(validation_job)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert os.access(validation_job, os.X_OK)
-
 
 def test_validation_script_runs_every_plan_under_mpiexec(validation_job):
     from perfsim import cli
