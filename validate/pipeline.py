@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from validate.gpt import GPT, GPTConfig
+from validate.gpt import GPT
+from validate.steps import seeded_gpt, synthetic_batches
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -145,25 +146,16 @@ class PipelineStep:
 
         from validate.optim import MasterAdam
 
-        if plan.tp != 1 or plan.dp != 1:
-            raise ValueError("validate.pipeline runs pipeline-only plans (tp = 1, dp = 1)")
-        if plan.sp:
-            raise ValueError("sequence parallelism needs tp > 1; validate.pipeline runs tp = 1")
+        gpt = seeded_gpt(plan, model, "pp", "validate.pipeline", "pipeline")
         if plan.pp * plan.vpp > model.layers or model.layers % (plan.pp * plan.vpp):
             raise ValueError(f"{model.layers} layers do not split evenly over pp x vpp = {plan.pp * plan.vpp} stages")
-        cfg = GPTConfig.from_spec(model, 1, plan.recompute)
-        torch.manual_seed(0)
-        gpt = GPT(cfg)
         rank = dist.get_rank()
         self.pipeline = Pipeline(gpt, plan.pp, plan.vpp, plan.schedule, plan.microbatches, plan.mbs, rank,
                                  device=device, dtype=dtype)
         self.module = nn.ModuleList(self.pipeline.modules)
         self.optimizer = MasterAdam(self.pipeline.parameters(), lr=1e-3)
         self.optimizer.init_states()
-        g = torch.Generator().manual_seed(1)
-        rows = plan.microbatches * plan.mbs
-        data = torch.randint(model.vocab, (rows, cfg.seq + 1), generator=g)
-        self.tokens, self.targets = data[:, :-1].to(device), data[:, 1:].to(device)
+        self.tokens, self.targets = synthetic_batches(plan.microbatches * plan.mbs, model.seq, model.vocab, device)
 
     def run(self) -> float:
         loss = self.pipeline.step(self.tokens, self.targets)

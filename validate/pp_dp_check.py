@@ -139,14 +139,6 @@ def perfsim_dp_bytes(model, plan: Plan, params: float) -> tuple[dict, dict]:
     return {"reduce_scatter": m * rs, "all_gather": (2 + full) * m * ag}, {"reduce_scatter": m * rs, "all_gather": 2 * m * ag}
 
 
-def synthetic(rows: int, seq: int, vocab: int, seed: int = 1):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(vocab, (rows, seq + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
 def reference_step(torch, gpt, tokens, targets, mbs: int):
     """Gradient accumulation over all micro-batches of the global batch in one process, then one
     MasterAdam step: (loss, gradients by name, updated parameters by name)."""
@@ -191,6 +183,7 @@ def run_case(torch, dist, model, name: str) -> dict:
     from validate.instrument import RECV, SEND, CollectiveCounter, LocalFlopCounter, SavedBytes
     from validate.pipeline import Pipeline, token_loss
     from validate.sharded_dp import DataParallel
+    from validate.steps import synthetic_batches
 
     plan = case_plan(name)
     cfg = GPTConfig.from_spec(model, 1, plan.recompute)
@@ -198,7 +191,7 @@ def run_case(torch, dist, model, name: str) -> dict:
     torch.manual_seed(0)
     init = GPT(cfg)
     reference = copy.deepcopy(init)
-    tokens, targets = synthetic(plan.dp * m * mbs, cfg.seq, model.vocab)
+    tokens, targets = synthetic_batches(plan.dp * m * mbs, cfg.seq, model.vocab)
     ref_loss, ref_grads, ref_params = reference_step(torch, reference, tokens, targets, mbs)
 
     pp_group, dp_group, pp_rank, dp_rank = groups(dist, plan.pp, plan.dp, dist.get_rank())

@@ -23,10 +23,9 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import torch
-
-from validate.gpt import GPT, GPTConfig
+from validate.gpt import GPT
 from validate.pipeline import token_loss
+from validate.steps import seeded_gpt, synthetic_batches
 
 ZERO = (0, 1, 2, 3)
 
@@ -102,21 +101,14 @@ class DataParallelStep:
     def __init__(self, plan, model, device, dtype):
         import torch.distributed as dist
 
-        if plan.tp != 1 or plan.pp != 1:
-            raise ValueError("validate.sharded_dp runs data-parallel-only plans (tp = 1, pp = 1)")
-        if plan.sp:
-            raise ValueError("sequence parallelism needs tp > 1; validate.sharded_dp runs tp = 1")
-        cfg = GPTConfig.from_spec(model, 1, plan.recompute)
-        torch.manual_seed(0)
-        gpt = GPT(cfg).to(device=device, dtype=dtype)
+        gpt = seeded_gpt(plan, model, "dp", "validate.sharded_dp", "data-parallel").to(device=device, dtype=dtype)
         self.dp = DataParallel(gpt, plan.zero)
         self.module, self.optimizer = self.dp.module, self.dp.optimizer
         self.microbatches = plan.microbatches
-        g = torch.Generator().manual_seed(1)
         rows = plan.microbatches * plan.mbs
-        data = torch.randint(model.vocab, (plan.dp * rows, cfg.seq + 1), generator=g)
-        mine = data[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
-        self.tokens, self.targets = mine[:, :-1].to(device), mine[:, 1:].to(device)
+        tokens, targets = synthetic_batches(plan.dp * rows, model.seq, model.vocab)
+        mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)  # moved alone: no other rank's rows
+        self.tokens, self.targets = tokens[mine].to(device), targets[mine].to(device)
 
     def run(self) -> float:
         loss = self.dp.forward_backward(self.tokens, self.targets, self.microbatches)

@@ -58,7 +58,8 @@ class TensorParallelStep:
         self.module = net
         self.optimizer = MasterAdam(net.parameters())
         self.optimizer.init_states()
-        self.batches = synthetic_batches(plan.microbatches, plan.mbs, cfg.seq, cfg.vocab, device, seed=1)
+        tokens, targets = synthetic_batches(plan.microbatches * plan.mbs, cfg.seq, cfg.vocab, device)
+        self.batches = list(zip(tokens.split(plan.mbs), targets.split(plan.mbs)))
 
     def run(self) -> float:
         total = 0.0
@@ -90,14 +91,33 @@ def initialise(module, seed: int) -> None:
                 local.copy_(torch.randn(local.shape, generator=g) * 0.02)
 
 
-def synthetic_batches(count, mbs, seq, vocab, device, seed):
-    """`count` (tokens, next tokens) micro-batches of `mbs` sequences from a seeded generator:
-    the same on every rank that passes the same seed."""
+def synthetic_batches(rows: int, seq: int, vocab: int, device="cpu", seed: int = 1):
+    """(tokens, next tokens), [rows, seq] each, from a seeded generator: the same on every rank
+    that passes the same seed. Every step and check draws its batch here, so all of them see the
+    same data however they split it: micro-batch i is rows i mbs ... (i + 1) mbs, and
+    data-parallel member r of D takes its block r of D x rows drawn rows."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(vocab, (count, mbs, seq + 1), generator=g)
-    return [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
+    data = torch.randint(vocab, (rows, seq + 1), generator=g)
+    return data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+def seeded_gpt(plan, model, axis: str, where: str, kind: str):
+    """The seed-0 single-process GPT (tp = 1) of a plan parallel along `axis` ("pp" or "dp") alone,
+    which validate.pipeline splits into stages and validate.sharded_dp replicates or shards
+    (`where` runs `kind`-only plans); ValueError for any other plan."""
+    import torch
+
+    from validate.gpt import GPT, GPTConfig
+
+    others = [a for a in ("tp", "pp", "dp") if a != axis]
+    if any(getattr(plan, a) != 1 for a in others):
+        raise ValueError(f"{where} runs {kind}-only plans ({', '.join(f'{a} = 1' for a in others)})")
+    if plan.sp:
+        raise ValueError(f"sequence parallelism needs tp > 1; {where} runs tp = 1")
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_spec(model, 1, plan.recompute))
 
 
 def build_step(plan, model, device, dtype):
