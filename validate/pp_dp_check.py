@@ -25,11 +25,8 @@ Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-ra
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-import os
 import sys
 
 from perfsim.cost import tensor_parallel as tpc
@@ -285,43 +282,27 @@ def run_case(torch, dist, model, name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m validate.pp_dp_check")
-    parser.add_argument("out")
-    parser.add_argument("--model", default=MODEL)
-    parser.add_argument("--cases", default="all", help="comma list of case names (CASES), or all for the world size")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a collective may wait for the other ranks before this rank fails (a dead rank)")
-    args = parser.parse_args(argv)
+    from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
 
-    from datetime import timedelta
+    parser = check_parser("python -m validate.pp_dp_check", MODEL,
+                          "comma list of case names (CASES), or all for the world size")
+    args = parser.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
-    from validate.campaign import rank_environment
-
-    ranks = rank_environment()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_ranks(args.timeout) as ranks:
         model = load_model(args.model)
         names = CASES.get(ranks.world, []) if args.cases == "all" else args.cases.split(",")
         results = []
         for name in names:
             if case_plan(name).devices != ranks.world:
                 raise ValueError(f"case {name} needs {case_plan(name).devices} ranks, not {ranks.world}")
-            mine = run_case(torch, dist, model, name)
-            everyone = [None] * ranks.world
-            dist.all_gather_object(everyone, mine)
+            everyone = every_rank(run_case(torch, dist, model, name))
             losses = [r["loss"] for r in everyone if not math.isnan(r["loss"])]
             results.append({"case": name, "plan": case_plan(name).as_dict(), "loss": sum(losses) / len(losses),
                             "ranks": everyone})
-        if ranks.rank == 0:
-            with open(args.out, "w") as fh:
-                json.dump({"world": ranks.world, "model": args.model, "system": SYSTEM, "cases": results}, fh, indent=1)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        write_on_rank0(ranks, args.out, model=args.model, system=SYSTEM, cases=results)
     return 0
 
 
