@@ -23,12 +23,9 @@ Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-ra
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
-import json
-import os
 import sys
 
 from perfsim.cost import tensor_parallel as tpc
@@ -294,27 +291,18 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m validate.tp_check")
-    parser.add_argument("out")
-    parser.add_argument("--model", default="layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false")
+    from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
+
+    parser = check_parser("python -m validate.tp_check",
+                          "layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false",
+                          "comma list of 1d-none, 1d+sp-full, ... or all")
     parser.add_argument("--mbs", type=int, default=2)
-    parser.add_argument("--cases", default="all", help="comma list of 1d-none, 1d+sp-full, ... or all")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a collective may wait for the other ranks before this rank fails (a dead rank)")
     args = parser.parse_args(argv)
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from validate.campaign import rank_environment
-
-    ranks = rank_environment()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_ranks(args.timeout) as ranks:
         mesh = init_device_mesh("cpu", (ranks.world,), mesh_dim_names=("tp",))
         model = load_model(args.model)
         results = []
@@ -322,16 +310,9 @@ def main(argv=None) -> int:
             name = case_name(sp, rc, bf16)
             if args.cases != "all" and name not in args.cases.split(","):
                 continue
-            mine = run_case(torch, mesh, model, sp, rc, args.mbs, bf16)
-            everyone = [None] * ranks.world
-            dist.all_gather_object(everyone, mine)
+            everyone = every_rank(run_case(torch, mesh, model, sp, rc, args.mbs, bf16))
             results.append({"case": name, "sp": sp, "recompute": rc, "bf16": bf16, "ranks": everyone})
-        if ranks.rank == 0:
-            with open(args.out, "w") as fh:
-                json.dump({"world": ranks.world, "model": args.model, "mbs": args.mbs, "cases": results}, fh, indent=1)
-        dist.barrier()  # no rank tears gloo down while another still talks to it (else: abort at exit)
-    finally:
-        dist.destroy_process_group()
+        write_on_rank0(ranks, args.out, model=args.model, mbs=args.mbs, cases=results)
     return 0
 
 
