@@ -605,7 +605,7 @@ def _collective_fit(records, system, ledger):
             values[bw_key] = Fitted(link_bw, f"bus bandwidth of {where}")
         values[eff_key] = Fitted(min(1.0, bus / link_bw),
                                  f"bus bandwidth {bus / 1e9:.4g} GB/s / link {link_bw / 1e9:.4g} GB/s ({how}); {where}")
-        values[lat_key] = Fitted(lat, f"per ring step" + (" (one send/recv message)" if "send" in factors else "")
+        values[lat_key] = Fitted(lat, "per ring step" + (" (one send/recv message)" if "send" in factors else "")
                                       + f", {where}")
     system = _apply(system, values)
     clear_caches()

@@ -33,7 +33,7 @@ import numpy as np
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
-from perfsim.cost.layer import BF16, layer_memory_ops
+from perfsim.cost.layer import layer_memory_ops
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import Plan
 

@@ -576,7 +576,7 @@ class MultiDimGPT(nn.Module):
 
     def forward(self, tokens):
         """Logits of this rank's block: [its tokens, V/q]."""
-        g, q, s = self.grid, self.grid.q, self.cfg.seq
+        g, s = self.grid, self.cfg.seq
         replicas = "depth" if g.mode == "2.5d" and g.depth > 1 else None
         ids = self._embedding_ids(tokens).reshape(-1)
         if g.mode == "3d":

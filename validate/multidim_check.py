@@ -28,11 +28,8 @@ Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-ra
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import json
-import os
 import sys
 from collections import defaultdict
 
@@ -211,29 +208,22 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m validate.multidim_check")
-    parser.add_argument("out")
-    parser.add_argument("--model", default=MODEL)
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--cases", default="all", help="comma list of 2d-none, 3d-full, 3d-regather-none ... or all")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a collective may wait for the other ranks before this rank fails (a dead rank)")
-    args = parser.parse_args(argv)
+    from validate.campaign import rank_environment
+    from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
 
-    from datetime import timedelta
+    parser = check_parser("python -m validate.multidim_check", MODEL,
+                          "comma list of 2d-none, 3d-full, 3d-regather-none ... or all")
+    parser.add_argument("--mbs", type=int, default=4)
+    args = parser.parse_args(argv)
+    world = rank_environment().world
+    if world not in MODES_AT:  # before gloo starts: a wrong launch fails at once
+        raise SystemExit(f"multidim_check runs at world 4 (2d) or 8 (2.5d, 3d), not {world}")
 
     import torch
-    import torch.distributed as dist
 
-    from validate.campaign import rank_environment
     from validate.multidim import grid_for
 
-    ranks = rank_environment()
-    if ranks.world not in MODES_AT:
-        raise SystemExit(f"multidim_check runs at world 4 (2d) or 8 (2.5d, 3d), not {ranks.world}")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_ranks(args.timeout) as ranks:
         model = load_model(args.model)
         wanted = case_names(ranks.world) if args.cases == "all" else args.cases.split(",")
         results, grids = [], {}
@@ -247,16 +237,9 @@ def main(argv=None) -> int:
             if (mode, regather) not in grids:  # the axis placement depends on the traffic, so on regather
                 plan = Plan(tp=ranks.world, tp_mode=mode, tp_depth=depth, mbs=args.mbs, gbs=args.mbs, tp_regather=regather)
                 grids[mode, regather] = grid_for(plan, model, ranks.rank)
-            mine = run_case(torch, grids[mode, regather], model, mode, depth, rc, args.mbs, regather)
-            everyone = [None] * ranks.world
-            dist.all_gather_object(everyone, mine)
+            everyone = every_rank(run_case(torch, grids[mode, regather], model, mode, depth, rc, args.mbs, regather))
             results.append({"case": name, "mode": mode, "recompute": rc, "regather": regather, "ranks": everyone})
-        if ranks.rank == 0:
-            with open(args.out, "w") as fh:
-                json.dump({"world": ranks.world, "model": args.model, "mbs": args.mbs, "cases": results}, fh, indent=1)
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-    finally:
-        dist.destroy_process_group()
+        write_on_rank0(ranks, args.out, model=args.model, mbs=args.mbs, cases=results)
     return 0
 
 

@@ -32,7 +32,7 @@ import sys
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.counts import ATTENTION_CORE
-from perfsim.cost.layer import BF16, FP32
+from perfsim.cost.layer import BF16
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM, memory_breakdown, microbatches_in_flight, stage_params
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
