@@ -22,11 +22,12 @@ DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def default_plans(nproc: int, mbs: int = 2) -> list:
+def default_plans(nproc: int, model=None, mbs: int = 2) -> list:
     """At least 12 plans over `nproc` devices: 1d tensor parallelism with and without SP under
     each recompute mode, the three pipeline schedules, and ZeRO 0-3; 2d at 4 devices, 2.5d and 3d
-    at 8 (where their grids exist)."""
-    from perfsim.spec.plan import RECOMPUTE, Plan
+    at 8 (where their grids exist). With `model` (a ModelSpec), the plans it cannot run (tp not
+    dividing its heads, pp not dividing its layers) are left out."""
+    from perfsim.spec.plan import RECOMPUTE, Plan, plan_problems
 
     n = nproc
     tp = [Plan(tp=n, sp=sp, recompute=rc, mbs=mbs, gbs=2 * mbs) for sp in (False, True) for rc in RECOMPUTE]
@@ -35,8 +36,8 @@ def default_plans(nproc: int, mbs: int = 2) -> list:
     dp = [Plan(dp=n, zero=z, mbs=mbs, gbs=2 * mbs * n) for z in range(4)]
     grids = {4: [Plan(tp=4, tp_mode="2d", mbs=mbs, gbs=2 * mbs)],
              8: [Plan(tp=8, tp_mode="2.5d", tp_depth=2, mbs=mbs, gbs=2 * mbs), Plan(tp=8, tp_mode="3d", mbs=mbs, gbs=2 * mbs)]}
-    plans = tp + pp + dp + grids.get(n, [])
-    return plans if n > 1 else [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE]
+    plans = tp + pp + dp + grids.get(n, []) if n > 1 else [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE]
+    return [p for p in plans if model is None or not plan_problems(p, model, n)]
 
 
 def parse_plans(text: str) -> list:

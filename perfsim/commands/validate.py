@@ -72,7 +72,9 @@ def _chosen_plans(args, devices: int, **case) -> tuple:
         for name, value in dict(case, devices=devices).items():
             setattr(args, name, value)
         return [build_case(args)[2]], False
-    return timing.default_plans(devices), True
+    from perfsim.spec.model import load_model
+
+    return timing.default_plans(devices, load_model(case["model"])), True
 
 
 def emit_slurm(args) -> None:
