@@ -305,3 +305,35 @@ def test_fit_command_takes_a_name_and_description(run_cli, tmp_path):
     assert (system.name, system.description) == ("box", "the test box, two ranks")
     assert dict(system.collectives.operation_efficiency).keys() == set(cal.COLLECTIVE_OPS)
     assert "collectives.operation_efficiency.all_gather" in r.out and "model-free" in r.out
+
+
+def test_cpu_collectives_are_stream_timed_in_both_dtypes_and_old_keys_stay():
+    model, plan = load_model("gpt3-350m"), Plan(tp=2, dp=1, mbs=1, gbs=1)
+    points = mb.build_points("cpu", ("fp32", "bf16"), model, plan, 2, 2, mb.default_sweep("cpu", quick=True))
+    collectives = [p for p in points if p.suite == "collective"]
+    assert {p.dtype for p in collectives} == {"fp32", "bf16"}
+    assert {p.timing for p in collectives} == {"stream"}
+    p = collectives[0]
+    barrier_timed = dataclasses.replace(p, timing="")
+    assert barrier_timed.key("cpu", 2) != p.key("cpu", 2)  # a new measurement, not a resumed one
+    # the key of a barrier-timed point is what ledgers before the stream timing hold
+    ident = {"device": "cpu", "world": 2, "suite": p.suite, "op": p.op, "dtype": p.dtype, "shape": p.dims,
+             "group": list(p.group)}
+    import hashlib
+
+    text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
+    assert barrier_timed.key("cpu", 2) == f"{p.suite}:{p.op}:{p.dtype}:" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def test_fit_prefers_stream_timed_bf16_collectives():
+    base, truth = _truth()
+    records = synthetic_records(truth)
+    # the same collectives, 3x slower, timed back to back in bf16: those are what the fit must use
+    extra = [dict(r, key=r["key"] + ":stream", dtype="bf16", timing="stream",
+                  stats={"median_s": 3 * r["stats"]["median_s"]}) for r in records if r["suite"] == "collective"]
+    calibration = cal.fit(records + extra, base, "synthetic.jsonl")
+    assert any("stream" in n for n in calibration.notes)
+    comm = TopologyCommModel(calibration.system)
+    for r in extra[::7]:
+        t = getattr(comm, r["op"])(float(r["shape"]["nbytes"]), 2, 1)
+        assert t == pytest.approx(r["stats"]["median_s"], rel=0.25), r["op"]

@@ -242,7 +242,8 @@ def run_worker(options: Options, environ=None, out=None) -> int:
             if ledger is not None:
                 ledger.append({"key": keys[i], "suite": point.suite, "op": point.op, "dtype": point.dtype,
                                "shape": point.dims, "group": list(point.group) if point.group else None,
-                               "origin": point.origin, **record})
+                               "origin": point.origin, **({"timing": point.timing} if point.timing else {}),
+                               **record})
                 elapsed = time.monotonic() - started
                 eta = elapsed / n * (len(todo) - n)
                 stats = record.get("stats")
@@ -266,8 +267,10 @@ def measure(torch, device, comm, point, options: Options) -> dict:
     try:
         if point.suite == "collective":
             fn = comm.make(point)
+            stream = point.timing == "stream"  # back to back, no barrier between repetitions (microbench.Point)
             times, number, _ = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
-                                              agree=comm.agree_max, before=comm.barrier)
+                                              agree=comm.agree_max, before=None if stream else comm.barrier,
+                                              min_number=mb.STREAM_MIN_CALLS if stream else 1)
             times = comm.max_each(times)
             counts = {"nbytes": comm.nbytes(point)}
         else:

@@ -69,6 +69,10 @@ class Point:
     shape: tuple  # sorted (name, value) pairs, so that points hash and compare
     group: tuple | None = None
     origin: str = field(default="sweep", compare=False)
+    # Collectives: "stream" times calls issued back to back with no barrier between them, as a
+    # training step issues them (and as nccl-tests times them); "" (the ledgers before it) put a
+    # barrier before every few calls, which on gloo catches a fast path steps rarely see.
+    timing: str = ""
 
     @property
     def dims(self) -> dict:
@@ -78,6 +82,8 @@ class Point:
         """What identifies a measurement in a ledger (resume skips points whose key is there)."""
         ident = {"device": device_kind, "world": world, "suite": self.suite, "op": self.op, "dtype": self.dtype,
                  "shape": self.dims, "group": list(self.group) if self.group else None}
+        if self.timing:
+            ident["timing"] = self.timing
         text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
         return f"{self.suite}:{self.op}:{self.dtype}:" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -92,6 +98,10 @@ class Point:
         else:
             what = f"{_human_bytes(d['nbytes'])} group {self.group[0]}/stride {self.group[1]}"
         return f"{self.suite} {self.op} {self.dtype} {what}"
+
+
+COLLECTIVE_TIMING = "stream"
+STREAM_MIN_CALLS = 8  # calls per repetition at least, so the stream's steady state dominates
 
 
 def _shape(**dims) -> tuple:
@@ -266,7 +276,8 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             for size, stride in group_shapes(model, plan, world, ranks_per_node):
                 for op in COLLECTIVES:
                     for nbytes in sweep.collective_bytes:
-                        add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride)))
+                        add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                                  timing=COLLECTIVE_TIMING))
     return points
 
 
@@ -285,13 +296,14 @@ class Stats:
 
 
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
-                max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None):
+                max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None,
+                min_number: int = 1):
     """(per-call seconds of each repetition, calls per repetition, per-call CPU seconds of each
     repetition or None). `cpu_clock` (time.thread_time on a one-thread CPU rank) also times the
     CPU the rank actually got, which leaves out time other processes took the core. One untimed estimate sets
     `number` (calls per repetition, so that one lasts `min_time_s`) and, for cheap ops, more
     repetitions (up to `max_repeats_factor` x `repeats` while they fit in `budget_s`): noise hits
-    short ops hardest. `agree(seconds)` makes every rank use the slowest rank's estimate
+    short ops hardest; `min_number` is the fewest calls a repetition makes. `agree(seconds)` makes every rank use the slowest rank's estimate
     (collectives must make the same calls everywhere); `before()` runs untimed before each
     repetition."""
     for _ in range(warmup):
@@ -305,7 +317,7 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
     estimate = max(timer.stop(), 1e-9)
     if agree:
         estimate = max(agree(estimate), 1e-9)
-    number = int(min(max_number, max(1, math.ceil(min_time_s / estimate))))
+    number = int(min(max_number, max(min_number, math.ceil(min_time_s / estimate))))
     extra = int(budget_s / (number * estimate))
     repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
     times, cpu_times = [], [] if cpu_clock else None
