@@ -76,6 +76,10 @@ class StepCosts:
     scatter_rest: dict = field(default_factory=dict)       # ZeRO-2, per chunk and micro-batch
     scatter_bucket: dict = field(default_factory=dict)     # ZeRO-2/3, one bucket of it
     gather: dict = field(default_factory=dict)             # ZeRO-3, one chunk's weights
+    # ZeRO-3's share that cannot hide (1 - framework.zero3_overlap), blocking the compute stream
+    # at the start of each forward / backward pass of a chunk (gathers, and the backward's scatter)
+    zero3_block_f: dict = field(default_factory=dict)
+    zero3_block_b: dict = field(default_factory=dict)
     post_gather: dict = field(default_factory=dict)        # ZeRO-1/2 weights after the step
     optimizer: dict = field(default_factory=dict)
     tied_s: float = 0.0
@@ -144,8 +148,13 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
             costs.scatter_rest = per(lambda k: scatter(chunk[k] * (1 - o)) if o < 1 else 0.0)
             costs.scatter_bucket = per(lambda k: scatter(chunk[k] * o / layers_per_chunk) if o > 0 else 0.0)
         if zero == 3:
-            costs.scatter_bucket = per(lambda k: scatter(chunk[k] / layers_per_chunk))
-            costs.gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k])[1])
+            o3 = float(system.framework.zero3_overlap)
+            gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k])[1])
+            costs.scatter_bucket = per(lambda k: o3 * scatter(chunk[k] / layers_per_chunk))
+            costs.gather = {k: o3 * g for k, g in gather.items()}
+            backward_gathers = 2 if int(c.recompute) == 2 else 1
+            costs.zero3_block_f = {k: (1 - o3) * g for k, g in gather.items()}
+            costs.zero3_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + scatter(chunk[k])))
         if zero in (1, 2):
             costs.post_gather = per(lambda k: reduction(params[k])[1])
     _place(costs, system, c)
@@ -240,9 +249,11 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
     for chunk in range(v):
         wg = min(part(k.weight_grad, chunk), part(k.backward_compute, chunk)) if zb else 0.0
         tp_f, tp_b = part(k.forward_tp, chunk), part(k.backward_tp, chunk)
-        parts = {F: [(COMPUTE, part(k.forward_compute, chunk)), (TP, 0.0 if split else tp_f)],
-                 B: [(RECOMPUTE, part(k.recompute, chunk)), (COMPUTE, part(k.backward_compute, chunk) - wg),
-                     (TP, 0.0 if split else tp_b)],
+        pos = _position(i, p)
+        parts = {F: [(DP, k.zero3_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
+                     (TP, 0.0 if split else tp_f)],
+                 B: [(DP, k.zero3_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
+                     (COMPUTE, part(k.backward_compute, chunk) - wg), (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():
             segments = tuple((x, d) for x, d in segs if d > 0.0) or ((COMPUTE, 0.0),)
