@@ -1,4 +1,5 @@
-"""validate.optim.MasterAdam: fp32 master weights and moments behind low-precision parameters."""
+"""validate.optim.MasterAdam (fp32 master weights and moments behind low-precision parameters) and
+the allocator peak the timing run measures memory with (validate.device.AllocationPeak)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,23 @@ def test_state_is_twelve_bytes_a_parameter_once_initialised():
     assert opt.state_bytes() == 0
     opt.init_states()
     assert opt.state_bytes() == OPTIMIZER_STATE_BYTES_PER_PARAM * sum(p.numel() for p in low.parameters())
+
+
+def test_cpu_allocation_peak_counts_what_the_build_keeps_not_its_transients():
+    from validate.device import Device
+
+    dev = Device("cpu")
+    mb = 1 << 20
+    with dev.allocation_peak() as peak:
+        kept = torch.empty(4 * mb, dtype=torch.uint8)
+        transient = torch.empty(40 * mb, dtype=torch.uint8)
+        del transient
+        peak.window()
+        during = torch.empty(8 * mb, dtype=torch.uint8)
+        del during
+    assert 12 * mb <= peak.bytes < 13 * mb
+    with dev.allocation_peak() as whole:  # no window: the whole region
+        transient = torch.empty(40 * mb, dtype=torch.uint8)
+        del transient
+    assert 40 * mb <= whole.bytes < 41 * mb
+    del kept

@@ -210,15 +210,22 @@ class Device:
 
 
 class AllocationPeak:
-    """Peak allocated bytes over a region, counted from what was allocated at its start.
+    """Peak allocated bytes of a window, counted from what was allocated when the region began.
 
-    GPU and XPU: the caching allocator's max_memory_allocated after a reset. CPU: torch keeps no
-    CPU allocator statistics, so the profiler records every allocation and free with the running
-    total torch's CPU allocator holds ('Total Allocated' of its [memory] events); the peak is the
-    largest. Either way it is what tensors occupy, not the runtime's own memory or heap slack."""
+    `with dev.allocation_peak() as peak: build(); peak.window(); run()` measures the run's peak
+    with what the build left allocated (weights, optimizer states) counted in, but not what the
+    build allocated only while it ran (a model built whole before it was sharded or cast); without
+    `window()` the whole region counts. GPU and XPU: the caching allocator's max_memory_allocated
+    after a reset. CPU: torch keeps no CPU allocator statistics, so the profiler records every
+    allocation and free with the running total torch's CPU allocator holds ('Total Allocated' of
+    its [memory] events); the peak is the largest inside the window. Either way it is what tensors
+    occupy, not the runtime's own memory or heap slack."""
+
+    WINDOW = "perfsim-allocation-window"
 
     def __init__(self, device: "Device"):
         self.device, self.bytes = device, None
+        self._window = None
 
     def __enter__(self):
         dev = self.device
@@ -233,27 +240,53 @@ class AllocationPeak:
             self._profile.__enter__()
         return self
 
+    def window(self) -> None:
+        """From here on, the peak counts (what is allocated now included)."""
+        dev = self.device
+        if dev._module is not None:
+            dev.sync()
+            dev._module.reset_peak_memory_stats(dev.index)
+        else:
+            from torch.profiler import record_function
+
+            self._window = record_function(self.WINDOW)
+            self._window.__enter__()
+
     def __exit__(self, *exc):
         dev = self.device
         if dev._module is not None:
             dev.sync()
             self.bytes = int(dev._module.max_memory_allocated(dev.index) - self._start)
             return
+        if self._window is not None:
+            self._window.__exit__(*exc)
         self._profile.__exit__(*exc)
         if exc[0] is None:
-            self.bytes = _profiled_peak(self._profile)
+            self.bytes = _profiled_peak(self._profile, self.WINDOW if self._window is not None else None)
 
 
-def _profiled_peak(prof) -> int:
+def _profiled_peak(prof, window: str | None = None) -> int:
+    """The largest 'Total Allocated' of the trace's CPU [memory] events, from the start of the
+    `window` event on (the running total just before it included)."""
     import json
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         prof.export_chrome_trace(fh.name)
         events = json.load(open(fh.name))["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
-              and e.get("args", {}).get("Device Type", 0) == 0]
-    return int(max(totals, default=0))
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0)
+    if not memory:
+        return 0
+    # the running total can carry what earlier profiled regions left allocated: count from the
+    # level before this region's first allocation
+    base = memory[0][1] - memory[0][2]
+    if window is None:
+        return int(max(t for _, t, _ in memory) - base)
+    start = min(e["ts"] for e in events if e.get("name") == window)
+    before = [t for ts, t, _ in memory if ts < start]
+    inside = [t for ts, t, _ in memory if ts >= start]
+    return int(max(inside + before[-1:], default=base) - base)
 
 
 class WallTimer:

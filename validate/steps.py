@@ -4,7 +4,7 @@ Run as ranks (`python -m validate.steps OUT.json --plan JSON --model SPEC ...`, 
 validate.campaign.launch_ranks or mpiexec). Every rank builds the plan's training step
 (build_step: 1d / 1d+SP here, 2d / 2.5d / 3d in validate.multidim, pipelines in validate.pipeline,
 data parallelism in validate.sharded_dp) and runs it once while the allocator's peak is recorded
-(Device.allocation_peak), then `warmup - 1` more untimed steps, then times `steps` steps (each the
+(Device.allocation_peak: what the build keeps, not its transients), then `warmup - 1` more untimed steps, then times `steps` steps (each the
 slowest rank's time between two barriers), and finally runs one more step
 under the counters: matrix FLOPs (LocalFlopCounter), bytes sent per collective kind
 (CollectiveCounter) and the peak of live bytes saved for backward (SavedBytes). Rank 0
@@ -162,10 +162,11 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     if ranks.world != plan.devices:
         raise ValueError(f"the plan uses {plan.devices} devices but {ranks.world} ranks were started")
     dtype = getattr(torch, DTYPES[dtype_name])
-    # Peak memory: what the allocator holds while the step is built and runs its first time
-    # (optimizer states exist from the start, so later steps peak no higher).
+    # Peak memory: what the allocator holds while the step runs its first time, with what the
+    # build left allocated (optimizer states exist from the start, so later steps peak no higher).
     with dev.allocation_peak() as allocated:
         step = build_step(plan, model, dev.torch_device, dtype)
+        allocated.window()  # the step's peak: what the build keeps counts, its transients do not
         _inject_fault(ranks.rank, ranks.world)
         losses = [step.run()]
     def job(values, op):
