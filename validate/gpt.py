@@ -178,9 +178,11 @@ class GPT(nn.Module):
 
     def loss(self, tokens, targets):
         """Mean next-token cross-entropy; vocabulary-parallel when the model is parallelized.
-        In bf16 on a GPU the forward runs under autocast (`autocast_for`)."""
+        In bf16 on a GPU the forward runs under autocast (`autocast_for`). The loss is taken on
+        fp32 logits, as Megatron takes it (and validate.pipeline's token_loss): its statistics
+        and the softmax it keeps are fp32 in every dtype, as perfsim counts them."""
         with autocast_for(tokens.device.type, self.embed.weight.dtype):
-            logits = self(tokens)
+            logits = self(tokens).float()
             if self.mesh is None:
                 return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             from torch.distributed.tensor.parallel import loss_parallel
