@@ -87,6 +87,15 @@ def _declined(types) -> bool:
     return any(issubclass(t, DTensor) for t in types)
 
 
+def _real(types) -> bool:
+    """Whether an op runs on real data: plain tensors, or the results of functional collectives
+    (AsyncCollectiveTensor, which DTensor hands on without waiting, e.g. a sequence-parallel
+    all-gather at micro-batch 1); not the fake tensors of DTensor's sharding propagation."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return all(t is torch.Tensor or issubclass(t, AsyncCollectiveTensor) for t in types)
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Records every collective dispatched while active (use as a context manager)."""
 
@@ -102,7 +111,7 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if _declined(types):
             return NotImplemented  # let DTensor unwrap first; its local ops come back here
-        if any(t is not torch.Tensor for t in types):
+        if not _real(types):
             return func(*args, **kwargs)  # fake tensors of DTensor's sharding propagation: not real work
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "_c10d_functional":
@@ -162,7 +171,7 @@ class LocalFlopCounter(TorchDispatchMode):
         if _declined(types):
             return NotImplemented
         out = func(*args, **kwargs)
-        if any(t is not torch.Tensor for t in types):
+        if not _real(types):
             return out
         if func._overloadpacket in self.counter.flop_registry:
             self.counter._count_flops(func._overloadpacket, out, args, kwargs)
