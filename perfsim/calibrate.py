@@ -50,7 +50,9 @@ PRIMARY_DTYPE = {"cpu": ("fp32", "bf16", "fp16"), "cuda": ("bf16", "fp16", "fp32
 HELD_OUT_EVERY = 4  # one size in four is held out
 TARGETS = {"gemm": 0.15, "collective": 0.20}  # held-out MAPE the issue asks for
 TRAINING_DTYPE = "bf16"  # the dtype whose collective measurements a profile's traffic is fitted on
-STREAM = "stream"  # collectives timed back to back, as a step issues them
+# How collectives were timed, most step-like first (validate.microbench.Point.timing): alone right
+# after a burst of compute; back to back; back to back after a barrier ("", the first ledgers).
+COLLECTIVE_TIMINGS = ("interleaved", "stream", "")
 PEAK_KEYS = ("spec", "derived")  # provenances of a true peak, kept when a fit stays below it
 
 
@@ -707,10 +709,13 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     system = _apply(base, v)
     v, q, n, system = _gemm_fit(usable, system, kind, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
-    if any(r["suite"] == "collective" and r.get("timing") == STREAM for r in usable):
-        # steps issue collectives back to back: fit the points timed that way (validate.microbench.Point)
-        usable = [r for r in usable if r["suite"] != "collective" or r.get("timing") == STREAM]
-        notes.append("collectives fitted on their back-to-back (stream) timings; the ledger's barrier-timed ones are left out")
+    timings = {r.get("timing", "") for r in usable if r["suite"] == "collective"}
+    chosen = next((t for t in COLLECTIVE_TIMINGS if t in timings), None)
+    if len(timings) > 1 and chosen is not None:
+        # fit the collectives timed most like a step issues them (validate.microbench.Point.timing)
+        usable = [r for r in usable if r["suite"] != "collective" or r.get("timing", "") == chosen]
+        notes.append(f"collectives fitted on their {chosen or 'barrier'}-timed points (the ledger also has "
+                     f"{', '.join(sorted((t or 'barrier') for t in timings - {chosen}))}-timed ones)")
     collective_dtypes = {r["dtype"] for r in usable if r["suite"] == "collective"}
     if len(collective_dtypes) > 1 and TRAINING_DTYPE in collective_dtypes:
         # perfsim prices a step's traffic in its bf16 bytes: fit the collectives measured in bf16

@@ -307,12 +307,12 @@ def test_fit_command_takes_a_name_and_description(run_cli, tmp_path):
     assert "collectives.operation_efficiency.all_gather" in r.out and "model-free" in r.out
 
 
-def test_cpu_collectives_are_stream_timed_in_both_dtypes_and_old_keys_stay():
+def test_cpu_collectives_are_timed_between_compute_in_both_dtypes_and_old_keys_stay():
     model, plan = load_model("gpt3-350m"), Plan(tp=2, dp=1, mbs=1, gbs=1)
     points = mb.build_points("cpu", ("fp32", "bf16"), model, plan, 2, 2, mb.default_sweep("cpu", quick=True))
     collectives = [p for p in points if p.suite == "collective"]
     assert {p.dtype for p in collectives} == {"fp32", "bf16"}
-    assert {p.timing for p in collectives} == {"stream"}
+    assert {p.timing for p in collectives} == {"interleaved"}
     p = collectives[0]
     barrier_timed = dataclasses.replace(p, timing="")
     assert barrier_timed.key("cpu", 2) != p.key("cpu", 2)  # a new measurement, not a resumed one
@@ -325,14 +325,17 @@ def test_cpu_collectives_are_stream_timed_in_both_dtypes_and_old_keys_stay():
     assert barrier_timed.key("cpu", 2) == f"{p.suite}:{p.op}:{p.dtype}:" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def test_fit_prefers_stream_timed_bf16_collectives():
+def test_fit_prefers_the_most_step_like_timing_and_bf16():
     base, truth = _truth()
     records = synthetic_records(truth)
     # the same collectives, 3x slower, timed back to back in bf16: those are what the fit must use
     extra = [dict(r, key=r["key"] + ":stream", dtype="bf16", timing="stream",
                   stats={"median_s": 3 * r["stats"]["median_s"]}) for r in records if r["suite"] == "collective"]
     calibration = cal.fit(records + extra, base, "synthetic.jsonl")
-    assert any("stream" in n for n in calibration.notes)
+    assert any("stream-timed points" in n for n in calibration.notes)
+    # interleaved (after a compute burst) is preferred over stream and barrier timings
+    inter = [dict(r, key=r["key"] + ":interleaved", timing="interleaved") for r in extra]
+    assert any("interleaved-timed points" in n for n in cal.fit(records + extra + inter, base, "s.jsonl").notes)
     comm = TopologyCommModel(calibration.system)
     for r in extra[::7]:
         t = getattr(comm, r["op"])(float(r["shape"]["nbytes"]), 2, 1)

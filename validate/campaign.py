@@ -267,10 +267,13 @@ def measure(torch, device, comm, point, options: Options) -> dict:
     try:
         if point.suite == "collective":
             fn = comm.make(point)
-            stream = point.timing == "stream"  # back to back, no barrier between repetitions (microbench.Point)
+            # how a call is timed (microbench.Point.timing): alone after a compute burst, back to
+            # back, or back to back after a barrier
+            before, numbers = {"interleaved": (comm.compute_burst, {"max_number": 1}),
+                               "stream": (None, {"min_number": mb.STREAM_MIN_CALLS})}.get(point.timing,
+                                                                                          (comm.barrier, {}))
             times, number, _ = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
-                                              agree=comm.agree_max, before=None if stream else comm.barrier,
-                                              min_number=mb.STREAM_MIN_CALLS if stream else 1)
+                                              agree=comm.agree_max, before=before, **numbers)
             times = comm.max_each(times)
             counts = {"nbytes": comm.nbytes(point)}
         else:

@@ -69,9 +69,11 @@ class Point:
     shape: tuple  # sorted (name, value) pairs, so that points hash and compare
     group: tuple | None = None
     origin: str = field(default="sweep", compare=False)
-    # Collectives: "stream" times calls issued back to back with no barrier between them, as a
-    # training step issues them (and as nccl-tests times them); "" (the ledgers before it) put a
-    # barrier before every few calls, which on gloo catches a fast path steps rarely see.
+    # Collectives: how a call is timed. "interleaved": each call alone, right after a burst of
+    # compute on every rank and no barrier, as a training step issues it between its GEMMs;
+    # "stream": calls back to back with no barrier between repetitions (as nccl-tests times them);
+    # "" (the first ledgers): a barrier before every few back-to-back calls. On gloo the barrier
+    # catches a fast path that steps rarely see (docs/calibration.md, section 4).
     timing: str = ""
 
     @property
@@ -100,8 +102,11 @@ class Point:
         return f"{self.suite} {self.op} {self.dtype} {what}"
 
 
-COLLECTIVE_TIMING = "stream"
+COLLECTIVE_TIMING = "interleaved"
 STREAM_MIN_CALLS = 8  # calls per repetition at least, so the stream's steady state dominates
+# The compute burst before an interleaved call: a bf16 GEMM of a few milliseconds on one CPU core
+# (about 0.3 ms on a GPU), the size of a layer's GEMM in the validation runs.
+BURST_GEMM = {"cpu": (512, 768, 512), "gpu": (8192, 8192, 4096)}
 
 
 def _shape(**dims) -> tuple:
@@ -438,6 +443,16 @@ class Communicator:
         t[self.rank] = value
         self.dist.all_reduce(t)
         return [float(x) for x in t.tolist()]
+
+    def compute_burst(self):
+        """Run one bf16 GEMM (BURST_GEMM) on this rank: the compute a step does between collectives."""
+        if not hasattr(self, "_burst"):
+            torch, dev = self.torch, self.device.torch_device
+            m, n, k = BURST_GEMM["cpu" if self.device.kind == "cpu" else "gpu"]
+            self._burst = (torch.ones(m, k, dtype=torch.bfloat16, device=dev), torch.ones(k, n, dtype=torch.bfloat16, device=dev))
+        a, b = self._burst
+        self.torch.matmul(a, b)
+        self.device.sync()
 
     def make(self, point: Point):
         """A no-argument function running the point's collective once on this rank's group."""
