@@ -120,20 +120,20 @@ def perfsim_dp_bytes(model, plan: Plan, params: float) -> tuple[dict, dict]:
     of all-gathering the shards (the same bytes as the gather); FSDP2 does not gather again for a
     fully recomputed forward (checkpointing runs inside the block, whose parameters its backward
     has already gathered), so ZeRO-3 with full recomputation gathers twice, not three times."""
+    from perfsim.cost.traffic import dp_sent_by_kind
+
     d, m = plan.dp, plan.microbatches
     if d == 1:
         return {}, {}
+    perfsim = {k: float(v) for k, v in dp_sent_by_kind(load_system(SYSTEM), plan, params).items()}
     G = load_system(SYSTEM).framework.grad_bytes_per_param
-    sent = lambda kind, nbytes: float(tpc.sent_bytes(kind, nbytes, d))  # noqa: E731
-    rs, ag, ar = sent(tpc.REDUCE_SCATTER, G * params), sent(tpc.ALL_GATHER, BF16 * params), sent(tpc.ALL_REDUCE, G * params)
-    full = 1 if plan.recompute == "full" else 0
-    if plan.zero == 0:
-        return {"all_reduce": ar}, {"all_reduce": ar}
-    if plan.zero == 1:
-        return {"reduce_scatter": rs, "all_gather": ag}, {"all_reduce": ar, "broadcast": ag}
-    if plan.zero == 2:
-        return {"reduce_scatter": m * rs, "all_gather": ag}, {"reduce_scatter": m * rs, "all_gather": ag}
-    return {"reduce_scatter": m * rs, "all_gather": (2 + full) * m * ag}, {"reduce_scatter": m * rs, "all_gather": 2 * m * ag}
+    ar = float(tpc.sent_bytes(tpc.ALL_REDUCE, G * params, d))
+    torch_sends = dict(perfsim)  # ZeRO-0 and ZeRO-2 send what perfsim says
+    if plan.zero == 1:  # DDP's all-reduce, then the owners' broadcasts (the all-gather's bytes)
+        torch_sends = {"all_reduce": ar, "broadcast": perfsim["all_gather"]}
+    elif plan.zero == 3:  # FSDP2 gathers twice per micro-batch, also under full recomputation
+        torch_sends["all_gather"] = 2 * m * float(tpc.sent_bytes(tpc.ALL_GATHER, BF16 * params, d))
+    return perfsim, torch_sends
 
 
 def reference_step(torch, gpt, tokens, targets, mbs: int):

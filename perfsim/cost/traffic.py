@@ -44,26 +44,25 @@ def _pp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
     return 2 * hops * (activation + regather)
 
 
-def _dp_per_device(system: System, plan: Plan, params: float) -> float:
-    """Bytes one device sends per step for data parallelism over `params` parameters
-    (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight all-gather; ZeRO-2 a
-    reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch two weight
-    all-gathers (three with full recomputation) and a reduce-scatter)."""
+def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
+    """Bytes one device sends per step for data parallelism over `params` parameters, by
+    collective kind (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight
+    all-gather; ZeRO-2 a reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch
+    two weight all-gathers (three with full recomputation) and a reduce-scatter)."""
     d = plan.dp
     if d == 1:
-        return 0.0
+        return {}
     grads = system.framework.grad_bytes_per_param * params
-    weights = BF16 * params
     rs = tpc.sent_bytes(tpc.REDUCE_SCATTER, grads, d)
-    ag = tpc.sent_bytes(tpc.ALL_GATHER, weights, d)
+    ag = tpc.sent_bytes(tpc.ALL_GATHER, BF16 * params, d)
     m = plan.microbatches
     if plan.zero == 0:
-        return tpc.sent_bytes(tpc.ALL_REDUCE, grads, d)
+        return {tpc.ALL_REDUCE: tpc.sent_bytes(tpc.ALL_REDUCE, grads, d)}
     if plan.zero == 1:
-        return rs + ag
+        return {tpc.REDUCE_SCATTER: rs, tpc.ALL_GATHER: ag}
     if plan.zero == 2:
-        return m * rs + ag
-    return m * ((3 if plan.recompute == "full" else 2) * ag + rs)
+        return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: ag}
+    return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: (3 if plan.recompute == "full" else 2) * m * ag}
 
 
 def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:
@@ -74,7 +73,7 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:
     c = columns_of(plan)
     per_stage = [float(stage_params(model, c, s)) for s in ("first", "middle", "last")]
     stages = per_stage[:1] if plan.pp == 1 else [per_stage[0]] + [per_stage[1]] * (plan.pp - 2) + [per_stage[2]]
-    dp = plan.tp * plan.dp * sum(_dp_per_device(system, plan, p) for p in stages)
+    dp = plan.tp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p).values()) for p in stages)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
         pp += plan.tp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
