@@ -73,11 +73,13 @@ def perfsim_step(model, plan: Plan) -> PerfsimStep:
     head = gemm_flops(tpc.head_gemm(layout, model, b, vocab))
     recompute = {"none": 0, "full": layer, "selective": sum(gemm_flops(g) for g in gemms if g.name in ATTENTION_CORE)}
     flops = 3 * (model.layers * layer + head) + model.layers * recompute[plan.recompute]
-    fwd, bwd = tpc.layer_collectives(layout, model, b)
+    from perfsim.cost.traffic import tp_collectives
+
+    _, layer_colls, _ = tp_collectives(model, plan)
     e_fwd, e_bwd = tpc.embedding_collectives(layout, model, b)
     h_fwd, h_bwd = tpc.head_collectives(layout, model, b, vocab)
-    return PerfsimStep(c, layout, float(flops), fwd + bwd + (fwd if plan.recompute == "full" else []),
-                       e_fwd + e_bwd, h_fwd + h_bwd, float(stage_params(model, c, "first")))
+    return PerfsimStep(c, layout, float(flops), layer_colls, e_fwd + e_bwd, h_fwd + h_bwd,
+                       float(stage_params(model, c, "first")))
 
 
 def perfsim_expected(model, plan: Plan) -> dict:

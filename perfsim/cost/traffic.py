@@ -17,16 +17,22 @@ from perfsim.spec.plan import Plan
 from perfsim.spec.system import System
 
 
-def _tp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
-    """Bytes one tensor-parallel group sends for one micro-batch through every layer, the
-    embedding and the head (all members together)."""
-    c = columns_of(plan)
-    layout = tpc.layout_of(model, c)
+def tp_collectives(model: ModelSpec, plan: Plan) -> tuple:
+    """(layout, one layer's collectives, the embedding's and head's) of one micro-batch, forward
+    and backward, the layer's forward once more under full recomputation."""
+    layout = tpc.layout_of(model, columns_of(plan))
     b, vocab = plan.mbs, model.padded_vocab(plan.tp)
     fwd, bwd = tpc.layer_collectives(layout, model, b)
     layer = fwd + bwd + (fwd if plan.recompute == "full" else [])
     edges = [x for pair in (tpc.embedding_collectives(layout, model, b), tpc.head_collectives(layout, model, b, vocab))
              for x in pair[0] + pair[1]]
+    return layout, layer, edges
+
+
+def _tp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+    """Bytes one tensor-parallel group sends for one micro-batch through every layer, the
+    embedding and the head (all members together)."""
+    layout, layer, edges = tp_collectives(model, plan)
     member = model.layers * tpc.collectives_sent_bytes(layout, layer) + tpc.collectives_sent_bytes(layout, edges)
     return plan.tp * float(member)
 
