@@ -709,23 +709,29 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     system = _apply(base, v)
     v, q, n, system = _gemm_fit(usable, system, kind, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
-    timings = {r.get("timing", "") for r in usable if r["suite"] == "collective"}
-    chosen = next((t for t in COLLECTIVE_TIMINGS if t in timings), None)
-    if len(timings) > 1 and chosen is not None:
-        # fit the collectives timed most like a step issues them (validate.microbench.Point.timing)
-        usable = [r for r in usable if r["suite"] != "collective" or r.get("timing", "") == chosen]
-        notes.append(f"collectives fitted on their {chosen or 'barrier'}-timed points (the ledger also has "
-                     f"{', '.join(sorted((t or 'barrier') for t in timings - {chosen}))}-timed ones)")
-    collective_dtypes = {r["dtype"] for r in usable if r["suite"] == "collective"}
-    if len(collective_dtypes) > 1 and TRAINING_DTYPE in collective_dtypes:
-        # perfsim prices a step's traffic in its bf16 bytes: fit the collectives measured in bf16
-        usable = [r for r in usable if r["suite"] != "collective" or r["dtype"] == TRAINING_DTYPE]
-        notes.append(f"collectives fitted on their {TRAINING_DTYPE} measurements (the ledger also has "
-                     f"{', '.join(sorted(collective_dtypes - {TRAINING_DTYPE}))}; a training step sends {TRAINING_DTYPE})")
+    # fit the collectives measured most like a step issues them (validate.microbench.Point.timing),
+    # in the dtype whose bytes perfsim prices a step's traffic in
+    usable = _prefer_collectives(usable, "timing", COLLECTIVE_TIMINGS, notes,
+                                 lambda t, rest: f"collectives fitted on their {t or 'barrier'}-timed points (the ledger "
+                                 f"also has {', '.join(sorted(x or 'barrier' for x in rest))}-timed ones)")
+    usable = _prefer_collectives(usable, "dtype", (TRAINING_DTYPE,), notes,
+                                 lambda t, rest: f"collectives fitted on their {t} measurements (the ledger also has "
+                                 f"{', '.join(sorted(rest))}; a training step sends {t})")
     v, q, n, system = _collective_fit(usable, system, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
     quality.extend(_attention_check(usable, system))
     return Calibration(values, quality, notes, system)
+
+
+def _prefer_collectives(usable: list, field: str, order: tuple, notes: list, say) -> list:
+    """Of the collective records, keep those whose `field` is the first of `order` the ledger
+    has, when it has more than one value; `say(chosen, others)` is the note."""
+    values = {r.get(field, "") for r in usable if r["suite"] == "collective"}
+    chosen = next((v for v in order if v in values), None)
+    if len(values) < 2 or chosen is None:
+        return usable
+    notes.append(say(chosen, values - {chosen}))
+    return [r for r in usable if r["suite"] != "collective" or r.get(field, "") == chosen]
 
 
 # --- the calibrated profile ---

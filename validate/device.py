@@ -164,32 +164,15 @@ class Device:
 
     # --- memory ---
     def reset_peak_memory(self) -> None:
-        """Start a new peak. On CPU: hand freed heap pages back (malloc_trim) and reset the
-        kernel's resident-set high-water mark (/proc/self/clear_refs), so the peak that follows
-        counts what is in use from now on, not what setting up once touched."""
         if self._module is not None:
             self._module.reset_peak_memory_stats(self.index)
-            return
-        _trim_heap()
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-        except OSError:
-            pass  # not Linux: the peak stays the process's lifetime peak
-
-    def memory_in_use_bytes(self) -> int:
-        """Bytes allocated on the device now; on CPU the resident set after trimming the heap."""
-        if self._module is not None:
-            return int(self._module.memory_allocated(self.index))
-        _trim_heap()
-        return _proc_status_bytes("VmRSS") or 0
 
     def peak_memory_bytes(self) -> int:
         """Peak bytes allocated on the device since the last reset; on CPU the process's peak
-        resident set since the last reset (Linux; elsewhere since the process started)."""
+        resident set (which cannot be reset; allocation_peak measures what tensors hold)."""
         if self._module is not None:
             return int(self._module.max_memory_allocated(self.index))
-        return _proc_status_bytes("VmHWM") or int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
     def memory_bytes(self) -> int:
         if self._module is not None:
@@ -316,28 +299,6 @@ class EventTimer:
 
 
 Timer = WallTimer | EventTimer
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim: return free heap memory to the system (no-op elsewhere)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A kB field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is none."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _cpu_name() -> str:
