@@ -53,6 +53,9 @@ TRAINING_DTYPE = "bf16"  # the dtype whose collective measurements a profile's t
 # How collectives were timed, most step-like first (validate.microbench.Point.timing): alone right
 # after a burst of compute; back to back; back to back after a barrier ("", the first ledgers).
 COLLECTIVE_TIMINGS = ("interleaved", "stream", "")
+# How GEMMs were timed, most step-like first (validate.microbench.Point.timing): operands rotated
+# through more memory than the cache holds; each call after a cache flush; the same operands.
+GEMM_TIMINGS = ("rotate", "cold", "")
 PEAK_KEYS = ("spec", "derived")  # provenances of a true peak, kept when a fit stays below it
 
 
@@ -512,7 +515,30 @@ def _algorithm_rules():
 
 
 def _without_operation_factors(system):
-    return _replace(system, collectives={"operation_efficiency": (), "operation_latency_factor": ()})
+    from perfsim.spec.system import OPERATION_TABLE_DEFAULTS
+
+    return _replace(system, collectives={table: () for table in OPERATION_TABLE_DEFAULTS})
+
+
+STEP_TIMING = "interleaved"  # collectives timed as a step issues them: alone, right after compute
+STEP_OVERHEAD_MAX_BYTES = 16 << 20  # above this, the repetitions' spread is bandwidth noise, not a wait
+
+
+def _step_overheads(fit) -> dict:
+    """{op: seconds} a call pays inside a step beyond the link model's time. The link model is fitted
+    on the chosen statistic (the fastest repetition by default); a step's time is the sum of its
+    calls, so what it pays on average per call is the mean. Measured where collectives were timed
+    as a step issues them (right after compute), as the median over an operation's points up to
+    STEP_OVERHEAD_MAX_BYTES of (mean - fitted statistic); nothing where the fit is the mean itself."""
+    out = {}
+    for op in COLLECTIVE_OPS:
+        gaps = [r["stats"]["mean_s"] - r["_t"] for r in fit if r["op"] == op and r.get("timing") == STEP_TIMING
+                and r["nbytes"] <= STEP_OVERHEAD_MAX_BYTES and isinstance(r["stats"].get("mean_s"), (int, float))]
+        if len(gaps) >= 3:
+            wait = max(0.0, float(np.median(gaps)))
+            if wait > 0:
+                out[op] = (wait, len(gaps))
+    return out
 
 
 def _collective_fit(records, system, ledger):
@@ -577,6 +603,21 @@ def _collective_fit(records, system, ledger):
         fitted, factors, model = class_links, {}, classes_only
         quality.append(row("collectives (profile: one bandwidth and latency per link class)", model, fit, held,
                            TARGETS["collective"]))
+    waits = _step_overheads(fit)
+    if waits:
+        for op, (wait, n) in waits.items():
+            values[f"collectives.operation_step_overhead_s.{op}"] = Fitted(
+                wait, f"{op}: median over {n} points up to {STEP_OVERHEAD_MAX_BYTES >> 20} MiB, timed right after "
+                      f"compute as a step issues them, of each point's mean repetition less the link model's "
+                      f"(fitted) repetition; ledger {ledger}")
+        notes.append("step overhead per call (mean less fitted repetition): "
+                     + ", ".join(f"{op} {1e3 * w:.2f} ms" for op, (w, _) in waits.items()))
+        stepped = _replace(model, collectives={"operation_step_overhead_s": tuple(
+            (op, waits[op][0]) for op in COLLECTIVE_OPS if op in waits)})
+        means = lambda rows: np.array([r["stats"]["mean_s"] for r in rows], float)  # noqa: E731
+        quality.append(Quality("collectives in a step (profile with step overheads) vs each point's mean",
+                               mape(collective_times(stepped, fit), means(fit)), len(fit),
+                               mape(collective_times(stepped, held), means(held)) if held else float("nan"), len(held)))
     quality.append(_neighbour_check(fit, held))
     spread = _repetition_spread(fit + held)
     if spread:
@@ -667,8 +708,10 @@ def _profile_value(system, key: str):
     """The value of a "section.key" (or "collectives.<table>.<op>") in a System."""
     section, name = key.split(".", 1)
     if "." in name:
+        from perfsim.spec.system import OPERATION_TABLE_DEFAULTS
+
         table, op = name.split(".")
-        return dict(getattr(system.collectives, table)).get(op, 1.0)
+        return dict(getattr(system.collectives, table)).get(op, OPERATION_TABLE_DEFAULTS[table])
     return getattr(getattr(system, section), name)
 
 
@@ -707,31 +750,35 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     v, q, n = _memory_fit(usable, base, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
     system = _apply(base, v)
+    # GEMMs timed as a step meets them, operands out of cache (validate.microbench.Point.timing)
+    usable = _prefer_records(usable, "gemm", "timing", GEMM_TIMINGS, notes,
+                             lambda t, rest: f"GEMMs fitted on their {t}-timed points (the ledger also has "
+                             f"{', '.join(sorted(x or 'warm' for x in rest))}-timed ones)")
     v, q, n, system = _gemm_fit(usable, system, kind, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
     # fit the collectives measured most like a step issues them (validate.microbench.Point.timing),
     # in the dtype whose bytes perfsim prices a step's traffic in
-    usable = _prefer_collectives(usable, "timing", COLLECTIVE_TIMINGS, notes,
-                                 lambda t, rest: f"collectives fitted on their {t or 'barrier'}-timed points (the ledger "
-                                 f"also has {', '.join(sorted(x or 'barrier' for x in rest))}-timed ones)")
-    usable = _prefer_collectives(usable, "dtype", (TRAINING_DTYPE,), notes,
-                                 lambda t, rest: f"collectives fitted on their {t} measurements (the ledger also has "
-                                 f"{', '.join(sorted(rest))}; a training step sends {t})")
+    usable = _prefer_records(usable, "collective", "timing", COLLECTIVE_TIMINGS, notes,
+                             lambda t, rest: f"collectives fitted on their {t or 'barrier'}-timed points (the ledger "
+                             f"also has {', '.join(sorted(x or 'barrier' for x in rest))}-timed ones)")
+    usable = _prefer_records(usable, "collective", "dtype", (TRAINING_DTYPE,), notes,
+                             lambda t, rest: f"collectives fitted on their {t} measurements (the ledger also has "
+                             f"{', '.join(sorted(rest))}; a training step sends {t})")
     v, q, n, system = _collective_fit(usable, system, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
     quality.extend(_attention_check(usable, system))
     return Calibration(values, quality, notes, system)
 
 
-def _prefer_collectives(usable: list, field: str, order: tuple, notes: list, say) -> list:
-    """Of the collective records, keep those whose `field` is the first of `order` the ledger
-    has, when it has more than one value; `say(chosen, others)` is the note."""
-    values = {r.get(field, "") for r in usable if r["suite"] == "collective"}
+def _prefer_records(usable: list, suite: str, field: str, order: tuple, notes: list, say) -> list:
+    """Of the `suite` records, keep those whose `field` is the first of `order` the ledger has,
+    when it has more than one value; `say(chosen, others)` is the note."""
+    values = {r.get(field, "") for r in usable if r["suite"] == suite}
     chosen = next((v for v in order if v in values), None)
     if len(values) < 2 or chosen is None:
         return usable
     notes.append(say(chosen, values - {chosen}))
-    return [r for r in usable if r["suite"] != "collective" or r.get(field, "") == chosen]
+    return [r for r in usable if r["suite"] != suite or r.get(field, "") == chosen]
 
 
 # --- the calibrated profile ---

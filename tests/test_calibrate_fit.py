@@ -243,7 +243,7 @@ def test_per_operation_factors_are_found_back_and_written(tmp_path):
     assert bus == pytest.approx(0.8 * 2e9, rel=0.05) and latency == pytest.approx(2.0 * 80e-6, rel=0.1)
     # ... and what each operation gets is the truth's
     for op in cal.COLLECTIVE_OPS:
-        e, f = fitted.collectives.operation_factors(op)
+        e, f, _ = fitted.collectives.operation_factors(op)
         assert (e, f) == (v[f"collectives.operation_efficiency.{op}"], v[f"collectives.operation_latency_factor.{op}"])
         assert bus * e == pytest.approx(2e9 * GLOO_EFF[op], rel=0.05), op
         assert latency * f == pytest.approx(80e-6 * GLOO_LAT[op], rel=0.15), op
@@ -340,3 +340,62 @@ def test_fit_prefers_the_most_step_like_timing_and_bf16():
     for r in extra[::7]:
         t = getattr(comm, r["op"])(float(r["shape"]["nbytes"]), 2, 1)
         assert t == pytest.approx(r["stats"]["median_s"], rel=0.25), r["op"]
+
+
+def test_step_overhead_is_the_mean_wait_beyond_the_fitted_repetition(tmp_path):
+    """Interleaved-timed collectives whose mean repetition is the fastest one plus a wait w per
+    operation (up to 16 MiB; more above, where it is bandwidth noise): a min fit writes w as
+    collectives.operation_step_overhead_s.<op>; a mean fit, which has the wait in it, writes none."""
+    base, truth = _truth()
+    comm = TopologyCommModel(truth)
+    waits = {"all_reduce": 2.5e-3, "all_gather": 1.5e-3, "send": 0.5e-3}
+    records = []
+    for op, w in waits.items():
+        for e in range(10, 27):
+            n, t = 1 << e, float(getattr(comm, op)(float(1 << e), 2, 1))
+            extra = w if n <= cal.STEP_OVERHEAD_MAX_BYTES else 10 * w
+            records.append({"schema": 1, "key": f"{op}:{n}", "suite": "collective", "op": op, "dtype": "bf16",
+                            "shape": {"nbytes": n}, "group": [2, 1], "nbytes": n, "device": {"kind": "cpu"},
+                            "timing": "interleaved",
+                            "stats": {"min_s": t, "median_s": t + extra / 2, "mean_s": t + extra}})
+    calibration = cal.fit(records, base, "waits.jsonl")
+    v = {k: f.value for k, f in calibration.values.items()}
+    for op, w in waits.items():
+        assert v[f"collectives.operation_step_overhead_s.{op}"] == pytest.approx(w, rel=1e-9)
+        assert calibration.system.collectives.operation_factors(op)[2] == pytest.approx(w, rel=1e-9)
+    assert "collectives.operation_step_overhead_s.reduce" not in v
+    assert any(q.name.startswith("collectives in a step") for q in calibration.quality)
+    small = [r for r in records if r["nbytes"] <= cal.STEP_OVERHEAD_MAX_BYTES]
+    # the link model plus the wait gives each point's mean back
+    assert cal.collective_times(calibration.system, small) == pytest.approx([r["stats"]["mean_s"] for r in small],
+                                                                             rel=1e-3)
+    text = cal.calibrated_profile(base.path, calibration, "waits.jsonl", "cpu-waits", "a test profile")
+    out = tmp_path / "cpu-waits.toml"
+    out.write_text(text)
+    system = load_system(str(out))
+    assert system.collectives.operation_factors("all_gather")[2] == pytest.approx(1.5e-3)
+    assert system.provenance["collectives.operation_step_overhead_s.all_gather"][0] == "calibrated"
+    assert not any(k.startswith("collectives.operation_step_overhead_s")
+                   for k in cal.fit(records, base, "waits.jsonl", statistic="mean").values)
+
+
+def test_gemms_timed_with_rotated_operands_are_preferred_and_keep_new_keys():
+    base, truth = _truth()
+    records = synthetic_records(truth)
+    gemms = [r for r in records if r["suite"] == "gemm"]
+    # the same GEMMs 20% slower with rotated operands: those are what the fit uses
+    rotated = [dict(r, key=r["key"] + ":rotate", timing="rotate", stats={"median_s": 1.2 * r["stats"]["median_s"]})
+               for r in gemms]
+    calibration = cal.fit(records + rotated, base, "rotate.jsonl")
+    assert any("GEMMs fitted on their rotate-timed points" in n for n in calibration.notes)
+    s = calibration.system
+    for r in rotated[::37]:
+        d = r["shape"]
+        t = gemm_time(s.device, s.device.peak_flops_fp32 if r["dtype"] == "fp32" else s.device.peak_flops_bf16,
+                      Gemm("g", 1, d["m"], d["n"], d["k"]))
+        assert float(t) == pytest.approx(r["stats"]["median_s"], rel=0.15)
+    model, plan = load_model("gpt3-350m"), Plan(tp=2, dp=1, mbs=1, gbs=1)
+    points = [p for p in mb.build_points("cpu", ("bf16",), model, plan, 2, 2, mb.default_sweep("cpu", quick=True))
+              if p.suite == "gemm"]
+    assert {p.timing for p in points} == {mb.GEMM_TIMING}
+    assert points[0].key("cpu", 2) != dataclasses.replace(points[0], timing="").key("cpu", 2)

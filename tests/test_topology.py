@@ -703,7 +703,7 @@ def test_profile_operation_tables_load_with_provenance_and_reach_predict(tmp_pat
     c = system.collectives
     assert c.operation_efficiency == (("all_reduce", 0.25), ("send", 1.0))
     assert c.operation_latency_factor == (("all_reduce", 3.0),)
-    assert c.operation_factors("all_reduce") == (0.25, 3.0) and c.operation_factors("broadcast") == (1.0, 1.0)
+    assert c.operation_factors("all_reduce") == (0.25, 3.0, 0.0) and c.operation_factors("broadcast") == (1.0, 1.0, 0.0)
     assert system.provenance["collectives.operation_efficiency.all_reduce"] == ("measured", "a test: gloo on this machine")
     assert "collectives.operation_latency_factor.send" not in system.provenance
     plain = load_system("cpu-example")
@@ -716,7 +716,43 @@ def test_profile_operation_tables_load_with_provenance_and_reach_predict(tmp_pat
     assert slow.time_breakdown_s["compute"] == fast.time_breakdown_s["compute"]
 
 
+def test_step_overhead_is_added_to_every_call_of_its_operation_only(tmp_path):
+    """collectives.operation_step_overhead_s.<op>: w seconds on every call of op over a group of
+    two or more, on top of the scaled link model; nothing for a group of one or for other ops, and
+    the algorithm chosen does not change (the same constant on every line)."""
+    from perfsim.predict import predict
+    from perfsim.spec.plan import Plan
+    w = 2e-3
+    path = _profile_with(tmp_path, _entry("operation_efficiency", "all_reduce", 0.25)
+                         + _entry("operation_step_overhead_s", "all_reduce", w)
+                         + _entry("operation_step_overhead_s", "send", 0))
+    waiting = load_system(path)
+    assert waiting.collectives.operation_factors("all_reduce") == (0.25, 1.0, w)
+    assert waiting.provenance["collectives.operation_step_overhead_s.send"][0] == "measured"
+    plain = TopologyCommModel(load_system(_profile_with(tmp_path, _entry("operation_efficiency", "all_reduce", 0.25))))
+    model = TopologyCommModel(waiting)
+    n = np.array([1e3, 1e6, 1e9])
+    for g, s in [(2, 1), (4, 1), (8, 2)]:
+        assert model.all_reduce(n, g, s) == pytest.approx(plain.all_reduce(n, g, s) + w, rel=1e-12)
+        assert np.array_equal(model.all_gather(n, g, s), plain.all_gather(n, g, s))
+        assert np.array_equal(model.send(n, g, s), plain.send(n, g, s))
+        assert model.algorithm("all_reduce", 1e6, g, s) == plain.algorithm("all_reduce", 1e6, g, s)
+    assert model.all_reduce(1e8, 1, 1) == 0.0
+    # 1D TP without SP: 4 all-reduces per layer per micro-batch, each w more
+    plan, spec = Plan(tp=2, mbs=1, gbs=2), "layers=2,hidden=256,heads=4,seq=128,vocab=1024,tied_embeddings=false"
+    slow, fast = predict(spec, waiting, plan), predict(spec, plain.system, plan)
+    from perfsim.cost.traffic import tp_collectives
+    from perfsim.spec.model import load_model
+    _, layer, edges = tp_collectives(load_model(spec), plan)
+    per_microbatch = sum(int(c.count) for c in layer) * 2 + sum(int(c.count) for c in edges)
+    calls = plan.microbatches * per_microbatch  # every one an all-reduce here
+    extra = slow.time_breakdown_s["tp_comm"] - fast.time_breakdown_s["tp_comm"]
+    assert extra == pytest.approx(calls * w, rel=1e-9)
+
+
 @pytest.mark.parametrize("extra, words", [
+    (_entry("operation_step_overhead_s", "all_reduce", -1), ["collectives.operation_step_overhead_s.all_reduce",
+                                                             "at least 0"]),
     (_entry("operation_efficiency", "allreduce", 0.5), ["unknown operation", "collectives.operation_efficiency.allreduce",
                                                          "all_reduce, all_gather, reduce_scatter, broadcast, reduce, send"]),
     (_entry("operation_efficiency", "all_reduce", 1.5), ["collectives.operation_efficiency.all_reduce.value",

@@ -14,7 +14,8 @@ size the fastest of a flat ring, NCCL-style multi-channel rings, an NCCL-style d
 (all-reduce, broadcast, reduce) and hierarchical algorithms, or the one the profile fixes
 (`collectives.algorithm`: auto, ring, tree, hierarchical). A profile may scale each operation on
 top of that (`collectives.operation_efficiency` and `operation_latency_factor`): the operation's
-whole time, bandwidth and latency parts apart, whatever algorithm it takes.
+whole time, bandwidth and latency parts apart, whatever algorithm it takes; and add to each call a
+fixed wait it pays inside a training step (`operation_step_overhead_s`).
 
 A parallel dimension is (g, s): groups of g ranks s apart, ranks placed on devices in order
 (rank r on node r // devices_per_node, device r % devices_per_node). The fat tree's core is
@@ -315,9 +316,10 @@ class TopologyCommModel:
         efficiencies = (eff.card_efficiency, eff.node_efficiency, eff.network_efficiency)
         self._shapes = _SHAPES.setdefault(machine + efficiencies, {})
         self._line_cache = _LINES.setdefault(machine + efficiencies + (self.algorithm_rule,), {})
-        # The profile's per-operation factors (collectives.operation_efficiency, ..._latency_factor):
-        # only operations that differ from (1, 1) are scaled, so a profile without them costs nothing.
-        self.operation_factors = {op: f for op in OPERATIONS if (f := eff.operation_factors(op)) != (1.0, 1.0)}
+        # The profile's per-operation factors (collectives.operation_efficiency, ..._latency_factor,
+        # ..._step_overhead_s): only operations that differ from (1, 1, 0) are changed, so a profile
+        # without them costs nothing.
+        self.operation_factors = {op: f for op in OPERATIONS if (f := eff.operation_factors(op)) != (1.0, 1.0, 0.0)}
         factors = tuple(sorted(self.operation_factors.items()))
         self._op_line_cache = (_LINES.setdefault(machine + efficiencies + (self.algorithm_rule, factors), {})
                                if factors else None)
@@ -685,16 +687,17 @@ class TopologyCommModel:
 
     def _op_lines(self, op, g, s) -> np.ndarray:
         """`op`'s lines over (g, s) with the profile's per-operation factors applied: every slope
-        divided by the operation's efficiency, every offset multiplied by its latency factor. Both
-        scale all of an operation's algorithms alike, so the envelope keeps the same lines."""
+        divided by the operation's efficiency, every offset multiplied by its latency factor, then
+        the step overhead added to it. All three change every algorithm of the operation alike, so
+        the envelope keeps the same lines."""
         lines = self._lines(_ALGORITHMS_OF[op], g, s)
         factors = self.operation_factors.get(op)
-        if factors is None:
+        if factors is None or g <= 1:  # a group of one sends nothing and waits for nobody
             return lines
         key = (op, int(g), max(int(s), 1))
         scaled = self._op_line_cache.get(key)
         if scaled is None:
-            scaled = lines * np.array([1.0 / factors[0], factors[1]])
+            scaled = lines * np.array([1.0 / factors[0], factors[1]]) + np.array([0.0, factors[2]])
             self._op_line_cache[key] = scaled
         return scaled
 
@@ -704,7 +707,7 @@ class TopologyCommModel:
         g, s = int(size), max(int(stride), 1)
         if g <= 1:
             return "none"
-        efficiency, latency_factor = self.operation_factors.get(op, (1.0, 1.0))
+        efficiency, latency_factor, _ = self.operation_factors.get(op, (1.0, 1.0, 0.0))  # an overhead picks none
         # a n / e + f b = f (a n / (e f) + b): the scaled operation's fastest algorithm at n is the
         # unscaled one's at n / (e f)
         n = np.asarray(float(nbytes) / (efficiency * latency_factor))

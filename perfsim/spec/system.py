@@ -53,12 +53,15 @@ class Network:
 # Collective algorithms a profile may fix (collectives.algorithm); "auto" takes the fastest per call.
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 # Operations the optional per-operation tables may name (collectives.operation_efficiency.<op>,
-# collectives.operation_latency_factor.<op>); "send" is the point-to-point hop of a pipeline.
+# collectives.operation_latency_factor.<op>, collectives.operation_step_overhead_s.<op>); "send" is
+# the point-to-point hop of a pipeline.
 OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
-# table -> allowed range of each entry's value (an efficiency is a fraction; a latency factor any
-# positive multiplier)
-_OPERATION_TABLES = {"operation_efficiency": ("float", 0.0, 1.0, False),
-                     "operation_latency_factor": ("float", 0.0, INF, False)}
+# table -> (allowed range of each entry's value, value of an operation the table leaves out): an
+# efficiency is a fraction, a latency factor any positive multiplier, a step overhead seconds.
+_OPERATION_TABLES = {"operation_efficiency": (("float", 0.0, 1.0, False), 1.0),
+                     "operation_latency_factor": (("float", 0.0, INF, False), 1.0),
+                     "operation_step_overhead_s": (("float", 0.0, INF, True), 0.0)}
+OPERATION_TABLE_DEFAULTS = {table: default for table, (_, default) in _OPERATION_TABLES.items()}
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,16 @@ class Collectives:
     # efficiency and its latency terms multiplied by its latency factor; an op left out gets 1.
     operation_efficiency: tuple = ()
     operation_latency_factor: tuple = ()
+    # Optional seconds a call of the operation pays inside a training step beyond what the link
+    # model gives (the fastest repetition): on a CPU rank, gloo's threads waking after compute
+    # (docs/topology.md section 4, "Step overhead"). Added to every call; an op left out gets 0.
+    operation_step_overhead_s: tuple = ()
 
-    def operation_factors(self, op: str) -> tuple[float, float]:
-        """(efficiency, latency factor) of one operation; (1.0, 1.0) when the profile names neither."""
-        return dict(self.operation_efficiency).get(op, 1.0), dict(self.operation_latency_factor).get(op, 1.0)
+    def operation_factors(self, op: str) -> tuple[float, float, float]:
+        """(efficiency, latency factor, step overhead in s) of one operation; (1, 1, 0) when the
+        profile names none of them."""
+        return (dict(self.operation_efficiency).get(op, 1.0), dict(self.operation_latency_factor).get(op, 1.0),
+                dict(self.operation_step_overhead_s).get(op, 0.0))
 
 
 @dataclass(frozen=True)
@@ -164,7 +173,7 @@ def _operation_table(where: str, table: str, raw, provenance: dict) -> tuple:
     for op in OPERATIONS:
         if op in raw:
             key = f"collectives.{table}.{op}"
-            entries.append((op, float(_number(where, key, raw[op], _OPERATION_TABLES[table]))))
+            entries.append((op, float(_number(where, key, raw[op], _OPERATION_TABLES[table][0]))))
             provenance[key] = (raw[op]["provenance"], raw[op]["source"])
     return tuple(entries)
 
