@@ -4,6 +4,7 @@ command's input errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,24 @@ def worker_env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
+
+
+def test_rotated_gemm_cycles_through_more_operands_than_the_cache_holds():
+    """A "rotate" GEMM point's function uses a new copy of A, B and C on every call until the
+    copies (ROTATING_BYTES together, at most MAX_COPIES) are used up, and computes the product."""
+    from validate.device import Device
+
+    point = mb.Point("gemm", "matmul", "fp32", (("count", 1), ("k", 64), ("m", 128), ("n", 256)), timing="rotate")
+    fn = mb.make_compute(torch, Device("cpu", 0, 1), point)
+    one = 4 * (128 * 64 + 64 * 256 + 128 * 256)
+    copies = min(mb.MAX_COPIES, -(-mb.ROTATING_BYTES["cpu"] // one))
+    outs = [fn() for _ in range(copies + 1)]
+    assert len({o.data_ptr() for o in outs}) == copies and outs[copies].data_ptr() == outs[0].data_ptr()
+    assert copies * one >= mb.ROTATING_BYTES["cpu"]
+    a, b = outs[0], outs[1]  # every copy holds the same operands
+    assert torch.equal(a, b) and a.shape == (128, 256)
+    warm = mb.make_compute(torch, Device("cpu", 0, 1), dataclasses.replace(point, timing=""))
+    assert warm().data_ptr() == warm().data_ptr()
 
 
 @pytest.mark.multiprocess

@@ -74,6 +74,12 @@ class Point:
     # "stream": calls back to back with no barrier between repetitions (as nccl-tests times them);
     # "" (the first ledgers): a barrier before every few back-to-back calls. On gloo the barrier
     # catches a fast path that steps rarely see (docs/calibration.md, section 4).
+    # GEMMs: "rotate": successive calls cycle through copies of the operands that together exceed
+    # the last-level cache, so every call finds its operands in memory, as a step's weights (last
+    # touched a layer ago) are; "" (the first ledgers): the same operands every call, in cache.
+    # (Ledgers may also hold "cold" GEMMs: each call after a cache flush, measured once on the
+    # project VM; a flush also evicts code and TLB entries, which costs small GEMMs 0.1 ms a
+    # step never pays, so the fit prefers "rotate", docs/calibration.md.)
     timing: str = ""
 
     @property
@@ -103,6 +109,11 @@ class Point:
 
 
 COLLECTIVE_TIMING = "interleaved"
+GEMM_TIMING = "rotate"
+# Bytes of rotated GEMM operands: at least twice the last-level cache (CPU: the project VM's 32 MiB
+# L3; H100: 50 MB L2; Max 1550: 408 MB L2 per GPU, 204 MB per tile, shared/reference/hardware.md).
+ROTATING_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20, "xpu": 512 << 20}
+MAX_COPIES = 4096  # of the tiniest GEMMs' operands (64 MiB of 64x64x64 would be 2700 copies)
 STREAM_MIN_CALLS = 8  # calls per repetition at least, so the stream's steady state dominates
 # The compute burst before an interleaved call: a bf16 GEMM of a few milliseconds on one CPU core
 # (about 0.3 ms on a GPU), the size of a layer's GEMM in the validation runs.
@@ -250,10 +261,10 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             for name, count, m, n, k in plan_gemms(model, plan):
                 if 2.0 * count * m * n * k <= 4 * sweep.max_gemm_flops:
                     add(Point("gemm", "matmul" if count == 1 else "bmm", dtype, _shape(count=count, m=m, n=n, k=k),
-                              origin="plan"))
+                              origin="plan", timing=GEMM_TIMING))
             for m, n, k in itertools.product(sweep.gemm_dims, repeat=3):
                 if 2.0 * m * n * k <= sweep.max_gemm_flops:
-                    add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k)))
+                    add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING))
     if "memory" in suites:
         for dtype in dtypes:
             for _, op, elements, cols in plan_memory_ops(model, plan):
@@ -348,15 +359,22 @@ def make_compute(torch, device, point: Point):
     dt, dev, d = torch_dtype(torch, point.dtype), device.torch_device, point.dims
     F = torch.nn.functional
     if point.suite == "gemm":
-        if d["count"] == 1:
-            a = torch.randn(d["m"], d["k"], dtype=dt, device=dev)
-            b = torch.randn(d["k"], d["n"], dtype=dt, device=dev)
-            out = torch.empty(d["m"], d["n"], dtype=dt, device=dev)
-            return lambda: torch.matmul(a, b, out=out)
-        a = torch.randn(d["count"], d["m"], d["k"], dtype=dt, device=dev)
-        b = torch.randn(d["count"], d["k"], d["n"], dtype=dt, device=dev)
-        out = torch.empty(d["count"], d["m"], d["n"], dtype=dt, device=dev)
-        return lambda: torch.bmm(a, b, out=out)
+        batch = () if d["count"] == 1 else (d["count"],)
+        a = torch.randn(*batch, d["m"], d["k"], dtype=dt, device=dev)
+        b = torch.randn(*batch, d["k"], d["n"], dtype=dt, device=dev)
+        out = torch.empty(*batch, d["m"], d["n"], dtype=dt, device=dev)
+        product = torch.matmul if d["count"] == 1 else torch.bmm
+        if point.timing != GEMM_TIMING:
+            return lambda: product(a, b, out=out)
+        one = (a.numel() + b.numel() + out.numel()) * a.element_size()
+        copies = [(a, b, out)] + [(a.clone(), b.clone(), out.clone())
+                                  for _ in range(min(MAX_COPIES, math.ceil(ROTATING_BYTES[device.kind] / one)) - 1)]
+        turn = itertools.cycle(copies)
+
+        def rotating():
+            x, y, z = next(turn)
+            return product(x, y, out=z)
+        return rotating
     if point.suite == "memory":
         shape = (d["rows"], d["cols"])
         x = torch.randn(shape, dtype=dt, device=dev)
