@@ -156,3 +156,34 @@ def test_gloo_sends_an_all_reduce_for_each_reduce_scatter(results):
         assert wire.get("all_reduce", 0.0) == pytest.approx(asked.get("all_reduce", 0.0))
         assert wire.get("all_gather", 0.0) == pytest.approx(asked.get("all_gather", 0.0))
         assert wire.get("reduce_scatter", 0.0) == pytest.approx(2 * asked.get("reduce_scatter", 0.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_equals_torchs_and_keeps_one_fp32_buffer(dtype):
+    """validate.gpt.cross_entropy: torch's F.cross_entropy on fp32 logits, loss and gradient, and
+    in backward no fp32 tensor of the logits' size besides the one it kept (Megatron's in-place
+    gradient; torch's allocates two)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from validate.gpt import cross_entropy
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(96, 500, generator=g)).to(dt).requires_grad_()
+    targets = torch.randint(500, (96,), generator=g)
+    ours = cross_entropy(logits, targets)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ours.backward()
+    grad, logits.grad = logits.grad.clone(), None
+    theirs = F.cross_entropy(logits.float(), targets)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as torchs:
+        theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6)
+    assert torch.allclose(grad.float(), logits.grad.float(), rtol=0, atol=1e-7 if dtype == "float32" else 1e-9)
+    fp32_size = 4 * 96 * 500
+
+    def large(p):
+        return sum(1 for e in p.events() if e.cpu_memory_usage >= fp32_size)
+    assert large(prof) == 0 and large(torchs) >= 2  # ours: in place (bf16: half the size); torch's: two

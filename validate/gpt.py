@@ -76,6 +76,44 @@ def autocast_for(device_type: str, dtype):
     return contextlib.nullcontext()
 
 
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of [N, V] logits as Megatron's vocabulary-parallel loss computes it on
+    one rank: an fp32 copy of the logits becomes the softmax in place and is the only tensor kept
+    for backward, whose gradient is computed in that same buffer (softmax - one-hot, scaled) and
+    returned in the logits' dtype. torch's F.cross_entropy keeps the same fp32 tensor but its
+    backward allocates two more of that size (the NLL gradient and the log-softmax gradient),
+    a transient Megatron, and perfsim's memory model, do not have (docs/real-steps-timing.md)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        x = logits.float()
+        if x.data_ptr() == logits.data_ptr():  # fp32 logits: work on a copy, not on the caller's tensor
+            x = x.clone()
+        rows = torch.arange(x.shape[0], device=x.device)
+        x.sub_(x.max(dim=-1, keepdim=True).values)
+        picked = x[rows, targets]  # target logit less the row's maximum
+        x.exp_()
+        total = x.sum(dim=-1, keepdim=True)
+        x.div_(total)
+        ctx.save_for_backward(x, targets)
+        ctx.dtype = logits.dtype
+        return (total.squeeze(-1).log() - picked).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, targets = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows, targets] -= 1.0  # the softmax is not needed again: its buffer becomes the gradient
+        softmax.mul_(grad / softmax.shape[0])
+        return softmax.to(ctx.dtype), None
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross-entropy of [N, V] logits and [N] targets, in fp32 whatever the
+    logits' dtype, keeping one fp32 [N, V] tensor (_CrossEntropy). Backward may run once."""
+    return _CrossEntropy.apply(logits, targets)
+
 @dataclass(frozen=True)
 class GPTConfig:
     layers: int
@@ -182,13 +220,13 @@ class GPT(nn.Module):
         fp32 logits, as Megatron takes it (and validate.pipeline's token_loss): its statistics
         and the softmax it keeps are fp32 in every dtype, as perfsim counts them."""
         with autocast_for(tokens.device.type, self.embed.weight.dtype):
-            logits = self(tokens).float()
+            logits = self(tokens)
             if self.mesh is None:
-                return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                return cross_entropy(logits.flatten(0, 1), targets.flatten())
             from torch.distributed.tensor.parallel import loss_parallel
 
             with loss_parallel():
-                return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def backward(self, loss):
         """loss.backward(), inside loss_parallel when parallel (its backward needs it)."""

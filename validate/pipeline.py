@@ -24,10 +24,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from validate.gpt import GPT
+from validate.gpt import GPT, cross_entropy
 from validate.steps import seeded_gpt, synthetic_batches
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -78,7 +77,7 @@ class StageModule(nn.Module):
 def token_loss(logits, targets):
     """Mean next-token cross-entropy of one micro-batch (validate.gpt.GPT.loss's reduction), on
     fp32 logits as Megatron computes the loss (a no-op in an fp32 run)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class Pipeline:
@@ -132,7 +131,8 @@ class Pipeline:
         losses = [] if self.has_last else None
         args = (tokens,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        # the losses are all this step needs; kept outputs would hold every micro-batch's logits
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         if not self.has_last:
             return float("nan")
         return float(torch.stack([x.detach().float() for x in losses]).mean())

@@ -2,7 +2,7 @@
 
 | perfsim zero | here | per step, per data-parallel member |
 |---|---|---|
-| 0 | DistributedDataParallel, `no_sync` on all but the last micro-batch | one all-reduce of the gradients (DDP's buckets) |
+| 0 | DistributedDataParallel (`gradient_as_bucket_view`: the gradients live in the buckets), `no_sync` on all but the last micro-batch | one all-reduce of the gradients (DDP's buckets) |
 | 1 | DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=MasterAdam) | DDP's all-reduce, then a broadcast of every parameter from the rank that updated it |
 | 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per block and at the root; unsharded parameters kept from the first forward to the last backward (`set_reshard_after_backward` off until the last micro-batch) | one all-gather of the parameters, one reduce-scatter of the gradients per micro-batch |
 | 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | per micro-batch: all-gather per block for forward and again for backward, the root's once (FSDP2 never reshards the root after forward), one reduce-scatter |
@@ -45,7 +45,9 @@ class DataParallel:
         if zero <= 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.module = DDP(module, process_group=group)
+            # gradients are views into DDP's communication buckets, as Megatron's gradients live in
+            # its contiguous gradient buffer: no second copy of them (perfsim counts one)
+            self.module = DDP(module, process_group=group, gradient_as_bucket_view=True)
             self.gpt = self.module.module
             if zero == 0:
                 self.optimizer = self.adam = MasterAdam(self.gpt.parameters(), lr=lr, eps=eps)

@@ -3,8 +3,9 @@
 Run as ranks (`python -m validate.steps OUT.json --plan JSON --model SPEC ...`, launched by
 validate.campaign.launch_ranks or mpiexec). Every rank builds the plan's training step
 (build_step: 1d / 1d+SP here, 2d / 2.5d / 3d in validate.multidim, pipelines in validate.pipeline,
-data parallelism in validate.sharded_dp) and runs it once while the allocator's peak is recorded
-(Device.allocation_peak: what the build keeps, not its transients), then `warmup - 1` more untimed steps, then times `steps` steps (each the
+data parallelism in validate.sharded_dp), runs it once, then once more while the allocator's peak
+is recorded (Device.allocation_peak: what the build and the first step keep, not their
+transients), then `warmup - 1` more untimed steps, then times `steps` steps (each the
 slowest rank's time between two barriers), and finally runs one more step
 under the counters: matrix FLOPs (LocalFlopCounter), bytes sent per collective kind
 (CollectiveCounter) and the peak of live bytes saved for backward (SavedBytes). Rank 0
@@ -162,13 +163,16 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     if ranks.world != plan.devices:
         raise ValueError(f"the plan uses {plan.devices} devices but {ranks.world} ranks were started")
     dtype = getattr(torch, DTYPES[dtype_name])
-    # Peak memory: what the allocator holds while the step runs its first time, with what the
-    # build left allocated (optimizer states exist from the start, so later steps peak no higher).
+    # Peak memory: what the allocator holds while the step runs its second time, with what the
+    # build and the first step left allocated. The first step makes one-time allocations a
+    # steady step does not (DDP rebuilds its gradient buckets at its second forward, with the
+    # first set still allocated), and the build's transients must not count either.
     with dev.allocation_peak() as allocated:
         step = build_step(plan, model, dev.torch_device, dtype)
-        allocated.window()  # the step's peak: what the build keeps counts, its transients do not
         _inject_fault(ranks.rank, ranks.world)
         losses = [step.run()]
+        allocated.window()
+        losses.append(step.run())
     def job(values, op):
         t = torch.tensor(values, dtype=torch.float64, device=dev.torch_device if device_kind != "cpu" else "cpu")
         dist.all_reduce(t, op=op)
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "xpu"))
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps, the first measuring memory (at least 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first one, the first of them measuring memory (at least 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists, e.g. 'tp=2,sp=true,recompute=full;"
                    "pp=2,schedule=gpipe,gbs=8' (default: plan flags for one plan, else a set of at least 12)")
     p.add_argument("--steps", type=_positive, default=3, help="timed steps per plan (default 3; the median is used)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first, the first of them measuring peak memory (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first step (which makes one-time allocations), the first of them measuring peak memory (default 1)")
     p.add_argument("--ledger", help="JSON Lines file the runs are appended to and resumed from "
                    "(default validation-DEVICE.jsonl)")
     p.add_argument("--timeout", type=_positive, default=300,
@@ -181,7 +181,7 @@ def run_steps(args) -> list:
     if args.dtype not in timing.DTYPE_BYTES:
         raise PerfsimError(f"--dtype {args.dtype} cannot be run by the harness; use bf16 or fp32")
     if args.warmup < 1:
-        raise PerfsimError(f"--warmup must be at least 1 (the first step measures memory), got {args.warmup}")
+        raise PerfsimError(f"--warmup must be at least 1 (the first untimed step after the first one measures memory), got {args.warmup}")
     nproc = args.nproc or (2 if args.device == "cpu" else 1)
     system = args.system or timing.DEFAULT_SYSTEM.get(args.device)
     if system is None:
