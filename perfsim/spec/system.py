@@ -16,6 +16,13 @@ PROVENANCES = ("spec", "measured", "derived", "assumed", "calibrated")
 
 INF = math.inf
 
+# Element-wise kernel kinds the optional [device.operation_memory_efficiency] table may name: each
+# kind's forward kernel by its name, its backward kernel as "<kind>_backward" (perfsim.cost.layer
+# gives every element-wise op its kind; "gelu" stands for SwiGLU too).
+MEMORY_KINDS = ("layernorm", "softmax", "gelu", "add", "dropout", "cross_entropy")
+BACKWARD = "_backward"
+MEMORY_OPERATIONS = MEMORY_KINDS + tuple(kind + BACKWARD for kind in MEMORY_KINDS)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -29,6 +36,21 @@ class Device:
     gemm_half_dim: float
     memory_efficiency: float
     kernel_overhead_s: float
+    # Optional per-kind efficiencies, ((name, value), ...) in MEMORY_OPERATIONS order, only the kinds
+    # the profile names (a tuple: the dataclass stays hashable). An entry replaces memory_efficiency
+    # for that kind's forward or backward kernel; a kind left out keeps memory_efficiency, and its
+    # backward is MEMORY_BACKWARD x its forward time (perfsim.cost.layer.memory_times).
+    operation_memory_efficiency: tuple = ()
+
+    def memory_efficiency_of(self, kind: str, backward: bool = False):
+        """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
+        if not self.operation_memory_efficiency or not kind:
+            return None
+        name = kind + BACKWARD if backward else kind
+        for entry, value in self.operation_memory_efficiency:
+            if entry == name:
+                return value
+        return None
 
 
 @dataclass(frozen=True)
@@ -55,10 +77,13 @@ ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 # Operations the optional per-operation tables may name (collectives.operation_efficiency.<op>,
 # collectives.operation_latency_factor.<op>); "send" is the point-to-point hop of a pipeline.
 OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
-# table -> allowed range of each entry's value (an efficiency is a fraction; a latency factor any
-# positive multiplier)
-_OPERATION_TABLES = {"operation_efficiency": ("float", 0.0, 1.0, False),
-                     "operation_latency_factor": ("float", 0.0, INF, False)}
+# Optional per-operation tables, "section.table" -> (the names an entry may have, what a name is,
+# allowed range of each entry's value). A collective efficiency is a fraction, a latency factor any
+# positive multiplier; an element-wise kind's efficiency may exceed 1 (a kind that runs in cache
+# beats the streaming memory_bandwidth_Bps).
+_OPERATION_TABLES = {"collectives.operation_efficiency": (OPERATIONS, "operation", ("float", 0.0, 1.0, False)),
+                     "collectives.operation_latency_factor": (OPERATIONS, "operation", ("float", 0.0, INF, False)),
+                     "device.operation_memory_efficiency": (MEMORY_OPERATIONS, "kind", ("float", 0.0, INF, False))}
 
 
 @dataclass(frozen=True)
@@ -109,14 +134,14 @@ _NONNEG = ("float", 0.0, INF, True)
 _FRACTION = ("float", 0.0, 1.0, False)
 _COUNT = ("int", 1, INF, True)
 _RULES = {
-    "device": {f.name: _POSITIVE for f in fields(Device) if f.name != "name"}
+    "device": {f.name: _POSITIVE for f in fields(Device) if f.name not in ("name", "operation_memory_efficiency")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
     "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name.endswith("_efficiency")
-                    and f.name not in _OPERATION_TABLES},
+                    and f"collectives.{f.name}" not in _OPERATION_TABLES},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
@@ -151,21 +176,21 @@ def _number(where: str, key: str, entry, rule) -> float:
     return value
 
 
-def _operation_table(where: str, table: str, raw, provenance: dict) -> tuple:
-    """An optional per-operation table ([collectives.<table>]) as ((op, value), ...) in OPERATIONS order."""
+def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
+    """An optional per-operation table (key "section.table", see _OPERATION_TABLES) as
+    ((name, value), ...) in the order of its allowed names."""
+    names, noun, rule = _OPERATION_TABLES[key]
     if not isinstance(raw, dict):
-        raise PerfsimError(f"{where}: collectives.{table} must be a table of operations "
-                           f"({', '.join(OPERATIONS)}), each with value, provenance and source")
-    unknown = sorted(set(raw) - set(OPERATIONS))
+        raise PerfsimError(f"{where}: {key} must be a table of {noun}s "
+                           f"({', '.join(names)}), each with value, provenance and source")
+    unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise PerfsimError(f"{where}: unknown operation collectives.{table}.{unknown[0]}; "
-                           f"one of {', '.join(OPERATIONS)}")
+        raise PerfsimError(f"{where}: unknown {noun} {key}.{unknown[0]}; one of {', '.join(names)}")
     entries = []
-    for op in OPERATIONS:
-        if op in raw:
-            key = f"collectives.{table}.{op}"
-            entries.append((op, float(_number(where, key, raw[op], _OPERATION_TABLES[table]))))
-            provenance[key] = (raw[op]["provenance"], raw[op]["source"])
+    for name in names:
+        if name in raw:
+            entries.append((name, float(_number(where, f"{key}.{name}", raw[name], rule))))
+            provenance[f"{key}.{name}"] = (raw[name]["provenance"], raw[name]["source"])
     return tuple(entries)
 
 
@@ -194,10 +219,10 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                     raise PerfsimError(f"{where}: {section}.{key} must be a plain string, one of "
                                        f"{', '.join(allowed)}; got {got}")
                 values[key] = raw[key]
-        if section == "collectives":
-            for table in _OPERATION_TABLES:
-                if table in raw:
-                    values[table] = _operation_table(where, table, raw[table], provenance)
+        for key in _OPERATION_TABLES:
+            table_section, table = key.split(".")
+            if table_section == section and table in raw:
+                values[table] = _operation_table(where, key, raw[table], provenance)
         for key, rule in rules.items():
             if key not in raw:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
