@@ -194,6 +194,12 @@ def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
     return tuple(entries)
 
 
+def operation_names(key: str) -> tuple:
+    """The names an optional per-operation table ("collectives.operation_efficiency",
+    "device.operation_memory_efficiency", ...) may hold, in the order a System keeps them."""
+    return _OPERATION_TABLES[key][0]
+
+
 def parse_system(data: dict, where: str, path: str = "") -> System:
     """Build a System from parsed TOML; every problem names `where` and the key."""
     if data.get("schema") != 1:
