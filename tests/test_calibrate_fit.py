@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from perfsim import calibrate as cal
-from perfsim.cost.layer import Gemm, MemoryOp, gemm_time, layer_memory_ops, memory_time
+from perfsim.cost.layer import (Gemm, MemoryOp, gemm_time, head_memory_ops, layer_memory_ops, measured_memory_op,
+                                memory_time)
 from perfsim.cost.topology import TopologyCommModel
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
@@ -139,6 +140,49 @@ def test_memory_traffic_matches_perfsims_byte_counts():
     for name, bench, elements, cols in found:
         assert mb.traffic_bytes(bench, elements, "bf16") == ops[name]
         assert elements % cols == 0
+
+
+def test_head_and_kernel_traffic_follow_perfsims_conventions():
+    """The loss and the final norm count as head_memory_ops counts them; a backward kernel moves
+    MEMORY_BACKWARD x its forward's bytes."""
+    model = load_model("gpt3-350m")
+    tokens, vocab = 2 * model.seq, 50304
+    head = {op.name: op for op in head_memory_ops(model, 2, 2, 1, vocab)}
+    assert mb.traffic_bytes("cross_entropy", tokens * vocab // 2, "bf16") == head["cross_entropy"].nbytes
+    assert mb.traffic_bytes(head["final_norm"].kind, tokens * model.hidden, "bf16") == head["final_norm"].nbytes
+    for op in mb.BACKWARD_OPS + ("cross_entropy_backward",):
+        forward = op.removesuffix("_backward")
+        assert mb.traffic_bytes(op, 1000, "bf16") == 1.5 * mb.traffic_bytes(forward, 1000, "bf16")
+        assert measured_memory_op(op, mb.traffic_bytes(op, 1000, "bf16"))[0].nbytes == mb.traffic_bytes(forward, 1000, "bf16")
+
+
+def test_the_cpu_ledger_keeps_its_keys_and_a_campaign_adds_only_the_new_kernels():
+    """The repository's CPU ledger loads, the campaign that wrote it (gpt3-350m, tp 2, two ranks,
+    fp32 and bf16) still names every compute point it measured by the same key, and what a resumed
+    campaign would measure is new kernels only, in bf16, with held-out sizes among them."""
+    from profile_toml import HWPROFILES
+
+    records, problems = cal.read_ledger(f"{HWPROFILES}/ledgers/calibration-cpu.jsonl")
+    assert problems == [] and records
+    points = mb.build_points("cpu", ("fp32", "bf16"), load_model("gpt3-350m"), Plan(tp=2, dp=1, mbs=1, gbs=1), 2, 2,
+                             mb.default_sweep("cpu"))
+    keys = {p.key("cpu", 2): p for p in points}
+    measured = {r["key"] for r in records if r["suite"] != "collective"}
+    # GEMMs timed the earlier ways (same operands every call; a cache flush per call) stay under
+    # the keys those timings give the same points
+    earlier = {dataclasses.replace(p, timing=t).key("cpu", 2) for p in points if p.suite == "gemm" for t in ("", "cold")}
+    assert measured <= set(keys) | earlier
+    assert {k for k, p in keys.items() if p.suite == "gemm"} <= measured  # the rotate-timed ones too
+    new = [p for k, p in keys.items() if k not in measured and p.suite != "collective"]
+    assert all(p.op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS and p.dtype == "bf16" for p in new)
+    kernels = [p for p in points if p.op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS]
+    assert {p.op for p in kernels} == set(mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS)
+    for op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS:
+        sizes = [p for p in kernels if p.op == op]
+        held = sum(cal.held_out({"suite": "memory", "shape": p.dims}) for p in sizes)
+        assert 1 <= held < len(sizes) / 2, op
+    assert {p.origin for p in kernels if p.op in mb.BACKWARD_OPS} == {"plan", "sweep"}
+    assert all(4096 <= p.dims["cols"] <= 8192 for p in kernels if p.op in mb.CROSS_ENTROPY_OPS)
 
 
 def test_plan_shapes_come_from_perfsim():
@@ -270,6 +314,67 @@ def test_per_operation_factors_are_found_back_and_written(tmp_path):
     again = cal.fit(records, system, "ops.jsonl").system
     for op in cal.COLLECTIVE_OPS:
         assert again.collectives.operation_factors(op) == pytest.approx(fitted.collectives.operation_factors(op), rel=0.02)
+
+
+# efficiencies of each kind and direction a synthetic CPU runs at (some above 1: in cache)
+KIND_TRUTH = {"layernorm": 0.3, "softmax": 0.2, "gelu": 0.25, "add": 1.6, "dropout": 0.02, "cross_entropy": 0.5,
+              "layernorm_backward": 0.18, "softmax_backward": 0.7, "gelu_backward": 0.22, "cross_entropy_backward": 0.05}
+
+
+def kind_records(truth, noise=0.03, seed=2):
+    """bf16 records of every kind in KIND_TRUTH at the CPU sweep's sizes, timed by `truth` with
+    those efficiencies through perfsim's memory_time."""
+    rng = np.random.default_rng(seed)
+    sweep = mb.default_sweep("cpu")
+    dev = dataclasses.replace(truth.device, operation_memory_efficiency=tuple(KIND_TRUTH.items()))
+    records = []
+    for name in KIND_TRUTH:
+        if name.startswith("cross_entropy"):
+            shapes = sweep.cross_entropy_shapes
+        else:
+            sizes = sweep.backward_elements if name.endswith("_backward") else sweep.memory_elements
+            shapes = [(max(1, n // 1024), min(n, 1024)) for n in sizes]
+        for rows, cols in shapes:
+            nbytes = mb.traffic_bytes(name, rows * cols, "bf16")
+            t = float(memory_time(dev, *measured_memory_op(name, nbytes))) * float(np.exp(rng.normal(0, noise)))
+            records.append({"schema": 1, "key": f"memory:{name}:bf16:{rows}x{cols}", "suite": "memory", "op": name,
+                            "dtype": "bf16", "shape": {"rows": rows, "cols": cols}, "device": {"kind": "cpu"},
+                            "stats": {"median_s": t}, "nbytes": nbytes})
+    return records
+
+
+def test_per_kind_efficiencies_are_found_back_and_written(tmp_path):
+    base, truth = _truth()
+    records = synthetic_records(truth) + kind_records(truth)
+    calibration = cal.fit(records, base, "kinds.jsonl")
+    fitted = calibration.system.device
+    assert fitted.memory_bandwidth_Bps == pytest.approx(20e9, rel=0.05)  # copy and triad
+    kinds = dict(fitted.operation_memory_efficiency)
+    assert set(kinds) == set(KIND_TRUTH)
+    for name, efficiency in KIND_TRUTH.items():  # each kind's bandwidth is the truth's
+        assert fitted.memory_bandwidth_Bps * kinds[name] == pytest.approx(20e9 * efficiency, rel=0.03), name
+        assert calibration.values[f"device.operation_memory_efficiency.{name}"].value == kinds[name]
+    rows = {q.name.split(":")[0]: q for q in calibration.quality}
+    head = next(q for q in calibration.quality if q.name.startswith("memory: per kind"))
+    assert head.held_points >= 10 and head.held_mape < 0.05 and head.fit_mape < 0.05
+    one = float(head.note.split("held-out ")[1].rstrip("%")) / 100  # one memory_efficiency misses them widely
+    assert one > 0.5
+    assert all(rows[f"  {name}"].held_mape < 0.06 for name in KIND_TRUTH if rows[f"  {name}"].held_points)
+
+    text = cal.calibrated_profile(base.path, calibration, "kinds.jsonl", "cpu-kinds", "a test profile")
+    out = tmp_path / "cpu-kinds.toml"
+    out.write_text(text)
+    system = load_system(str(out))
+    assert "[device.operation_memory_efficiency.cross_entropy_backward]" in text
+    assert dict(system.device.operation_memory_efficiency) == pytest.approx(kinds, rel=1e-5)
+    provenance, source = system.provenance["device.operation_memory_efficiency.softmax_backward"]
+    assert provenance == "calibrated" and "kinds.jsonl" in source
+    # the written profile predicts the kernels as measured; refitting from it gives the same
+    kernels = [r for r in records if r["suite"] == "memory" and r["dtype"] == "bf16"]
+    predicted = [float(memory_time(system.device, *measured_memory_op(r["op"], r["nbytes"]))) for r in kernels]
+    assert cal.mape(predicted, [r["stats"]["median_s"] for r in kernels]) < 0.05
+    again = dict(cal.fit(records, system, "kinds.jsonl").system.device.operation_memory_efficiency)
+    assert again == pytest.approx(kinds, rel=0.02)
 
 
 def test_one_measured_operation_writes_no_operation_factors():

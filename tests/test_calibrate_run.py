@@ -84,6 +84,10 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
     # one-thread CPU ranks also record the CPU time they got (what the fit uses on a shared machine)
     assert all(0 < x["cpu_stats"]["min_s"] <= 1.5 * x["stats"]["max_s"] for x in records)
     assert run_worker(options, environ={}) == 0  # everything is in the ledger: nothing measured again
+    # the backward kernels and the loss, in the dtype a step runs them in
+    kernels = {x["op"] for x in records if x["suite"] == "memory" and x["dtype"] == "bf16"}
+    assert set(mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS) <= kernels
+    assert not any(x["op"] in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS for x in records if x["dtype"] == "fp32")
 
     from perfsim.calibrate import fit_ledger
     out = tmp_path / "cpu-tiny.toml"
@@ -92,6 +96,33 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
     system = load_system(str(out))
     assert system.provenance["device.gemm_half_dim"] == ("calibrated", calibration.values["device.gemm_half_dim"].source)
     assert "gemm.jsonl" in system.provenance["device.gemm_efficiency"][1]
+    # per-kind efficiencies, written and loaded back
+    kinds = dict(system.device.operation_memory_efficiency)
+    assert {"layernorm", "layernorm_backward", "cross_entropy", "cross_entropy_backward"} <= set(kinds)
+    assert "gemm.jsonl" in system.provenance["device.operation_memory_efficiency.softmax_backward"][1]
+
+
+@pytest.mark.parametrize("op", mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS)
+def test_backward_kernels_and_the_loss_run_and_count_perfsims_bytes(op):
+    """Each kernel runs at a tiny size, returns what the step's kernel returns, and records the
+    bytes perfsim counts: the kind's forward bytes, times MEMORY_BACKWARD for a backward kernel."""
+    from perfsim.cost.layer import MEMORY_BACKWARD, kind_bytes
+    from validate.device import Device
+
+    rows, cols = 8, 256
+    point = mb.Point("memory", op, "bf16", mb._shape(rows=rows, cols=cols))
+    out = mb.make_compute(torch, Device("cpu"), point)()
+    first = out[0] if isinstance(out, tuple) else out
+    if op == "cross_entropy":  # the mean loss over the rows, in fp32
+        assert first.dtype == torch.float32 and first.dim() == 0
+    else:  # the input gradient, in the input's dtype
+        assert first.shape == (rows, cols) and first.dtype == torch.bfloat16
+    kind = op.removesuffix("_backward")
+    forward = kind_bytes(kind, 2) * rows * cols
+    assert mb.compute_counts(point)["nbytes"] == (MEMORY_BACKWARD * forward if op.endswith("_backward") else forward)
+    assert isinstance(mb.compute_counts(point)["nbytes"], int)
+    if op == "cross_entropy":
+        assert mb.compute_counts(point)["nbytes"] == (2 + 4 * 4) * rows * cols  # perfsim.cost.layer.head_memory_ops
 
 
 def _lines(path):

@@ -24,7 +24,9 @@ def _raw(path):
         return tomllib.load(fh)
 
 
-OPERATION_TABLES = ("operation_efficiency", "operation_latency_factor")  # optional, in [collectives]
+# optional per-operation tables: (section, table)
+OPERATION_TABLES = (("collectives", "operation_efficiency"), ("collectives", "operation_latency_factor"),
+                    ("device", "operation_memory_efficiency"))
 
 
 def _numbers(raw):
@@ -32,7 +34,7 @@ def _numbers(raw):
     per-operation table comes as ("collectives", "operation_efficiency.all_reduce", table)."""
     for section in SECTIONS:
         for key, entry in raw[section].items():
-            if section == "collectives" and key in OPERATION_TABLES:
+            if (section, key) in OPERATION_TABLES:
                 for op, item in entry.items():
                     yield section, f"{key}.{op}", item
             elif isinstance(entry, dict):
@@ -42,7 +44,7 @@ def _numbers(raw):
 def _loaded(system, section, key):
     if "." in key:
         table, op = key.split(".")
-        return dict(getattr(system.collectives, table))[op]
+        return dict(getattr(getattr(system, section), table))[op]
     return getattr(getattr(system, section), key)
 
 
@@ -85,8 +87,8 @@ def test_loaded_values_and_provenance_match_the_file(path):
         for f in dataclasses.fields(obj):
             if f.type in ("float", "int", float, int):
                 numeric_fields.add(f"{section}.{f.name}")
-    for table in OPERATION_TABLES:  # the operations a profile names, each with its provenance
-        numeric_fields |= {f"collectives.{table}.{op}" for op, _ in getattr(system.collectives, table)}
+    for section, table in OPERATION_TABLES:  # the operations a profile names, each with its provenance
+        numeric_fields |= {f"{section}.{table}.{op}" for op, _ in getattr(getattr(system, section), table)}
     assert set(system.provenance) == numeric_fields  # every numeric field, nothing else
     for section, key, entry in _numbers(raw):
         assert _loaded(system, section, key) == entry["value"]
@@ -108,6 +110,8 @@ def test_profile_values_are_physically_sane(path):
         assert op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send") and 0 < value <= 1
     for op, value in c.operation_latency_factor:
         assert 0 < value < 100, (op, value)
+    for kind, value in d.operation_memory_efficiency:  # may exceed 1 (in cache), not by orders of magnitude
+        assert 0 < value < 10, (kind, value)
     assert s.network.oversubscription >= 1
 
 

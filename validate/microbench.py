@@ -4,16 +4,20 @@ Four suites, each a list of `Point`s (what to measure) and a way to time one:
 - gemm: the GEMMs perfsim's cost model issues for a model and plan (asked from
   perfsim.cost.tensor_parallel, never re-derived here), plus a generic (m, n, k) sweep;
 - memory: memory-bound ops (copy, triad, LayerNorm, softmax, GeLU, dropout, residual add) over a
-  size sweep and at the sizes the plan's layer uses (perfsim.cost.layer.layer_memory_ops);
+  size sweep and at the sizes the plan's layer uses (perfsim.cost.layer.layer_memory_ops); the
+  backward kernels of LayerNorm, softmax and GeLU over a smaller sweep and at the plan's sizes; the
+  fp32 cross-entropy of bf16 logits and its backward at vocabulary-like widths. Backward kernels
+  and the cross-entropy run in the dtype a training step runs them in (bf16, when measured);
 - attention: the attention core, fused (scaled_dot_product_attention) and unfused (two batched
   GEMMs around a softmax), at the plan's shape and a small sweep;
 - collective: all-reduce, all-gather, reduce-scatter, broadcast, reduce and send/recv over message
   sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses.
 
-Bytes follow perfsim's conventions: an element-wise op moves `TRAFFIC[op]` bytes per element
-(reads + writes; tests check this against perfsim.cost.layer for the ops perfsim models), and a
-collective's `nbytes` is the full tensor (the gathered one for all-gather and reduce-scatter) as
-in perfsim.cost.collectives.
+Bytes follow perfsim's conventions: an element-wise kind moves perfsim.cost.layer.KIND_TRAFFIC
+bytes per element forward (reads + writes; the very table perfsim's cost model counts with) and
+a backward kernel MEMORY_BACKWARD x its forward's, so that the fit goes through perfsim's own
+cost functions; a collective's `nbytes` is the full tensor (the gathered one for all-gather and
+reduce-scatter) as in perfsim.cost.collectives.
 
 Timing: warm-up calls, then `repeats` timed repetitions of `number` back-to-back calls each,
 `number` chosen so that one repetition lasts at least `min_time_s` (timer resolution and launch
@@ -33,29 +37,34 @@ import numpy as np
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
-from perfsim.cost.layer import layer_memory_ops
+from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, layer_memory_ops
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import Plan
+from perfsim.spec.system import BACKWARD
 
 SUITES = ("gemm", "memory", "attention", "collective")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")
-# Bytes moved per element, as a function of the element size e: reads + writes (+ a one-byte
-# dropout mask), the counting perfsim.cost.layer uses.
-TRAFFIC = {"copy": (2, 0), "triad": (3, 0), "layernorm": (2, 0), "softmax": (2, 0), "gelu": (2, 0),
-           "dropout": (2, 1), "add": (3, 0)}
-# perfsim's per-layer memory ops and the benchmark op that stands for each.
-PERFSIM_MEMORY_OPS = {"norm1": "layernorm", "norm2": "layernorm", "softmax": "softmax", "activation": "gelu",
-                      "residual1": "add", "residual2": "add", "attn_dropout": "dropout", "proj_dropout": "dropout",
-                      "mlp_dropout": "dropout"}
+MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")  # forward, full sweep
+BACKWARD_OPS = ("layernorm_backward", "softmax_backward", "gelu_backward")  # the smaller kernel sweep
+CROSS_ENTROPY_OPS = ("cross_entropy", "cross_entropy_backward")  # at Sweep.cross_entropy_shapes
+KERNEL_DTYPE = "bf16"  # what a training step runs backward kernels and the loss's input in
+# Forward bytes moved per element, (passes, extra): passes x the element size + extra bytes.
+# Streaming ops here; the element-wise kinds as perfsim's cost model counts them.
+TRAFFIC = {"copy": (2, 0), "triad": (3, 0), **KIND_TRAFFIC}
+# perfsim's memory ops and the benchmark op (the kind) that stands for each.
+PERFSIM_MEMORY_OPS = dict(OP_KINDS)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_MAX_BYTES = 256 * MIB
 
 
 def traffic_bytes(op: str, elements, dtype: str):
-    per_element, extra = TRAFFIC[op]
-    return elements * (per_element * DTYPE_BYTES[dtype] + extra)
+    """Bytes perfsim counts for `elements` elements of op ("<kind>_backward": MEMORY_BACKWARD x the
+    kind's forward bytes)."""
+    backward = op.endswith(BACKWARD)
+    per_element, extra = TRAFFIC[op[:-len(BACKWARD)] if backward else op]
+    nbytes = elements * (per_element * DTYPE_BYTES[dtype] + extra)
+    return MEMORY_BACKWARD * nbytes if backward else nbytes
 
 
 @dataclass(frozen=True)
@@ -150,13 +159,14 @@ def plan_gemms(model: ModelSpec, plan: Plan) -> list:
 
 def plan_memory_ops(model: ModelSpec, plan: Plan) -> list:
     """(perfsim name, benchmark op, elements, columns) for the element-wise ops of one layer;
-    elements from perfsim's byte counts (bf16) and the op's traffic per element."""
+    elements from perfsim's byte counts (bf16) and the op's traffic per element; the benchmark op
+    is the op's kind."""
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
     out = []
     for op in layer_memory_ops(model, plan.mbs, layout.split, layout.region_split):
-        bench = PERFSIM_MEMORY_OPS.get(op.name)
-        if bench is None:
+        bench = op.kind
+        if not bench:  # generic (rotary): no kernel of its own to measure
             continue
         elements = float(op.nbytes) / traffic_bytes(bench, 1, "bf16")
         if elements < 1 or elements != int(elements):
@@ -227,6 +237,8 @@ class Sweep:
     attention_seqs: tuple
     collective_bytes: tuple
     max_gemm_flops: float
+    backward_elements: tuple = ()  # sizes of the backward kernels (BACKWARD_OPS)
+    cross_entropy_shapes: tuple = ()  # (rows, vocabulary columns) of the cross-entropy's logits
 
 
 def default_sweep(kind: str, quick: bool = False, max_bytes: int | None = None) -> Sweep:
@@ -239,12 +251,18 @@ def default_sweep(kind: str, quick: bool = False, max_bytes: int | None = None) 
     if sizes and sizes[-1] != cap and cap > KIB:
         sizes.append(int(cap))
     if quick:
-        return Sweep((64, 256), (1 << 12, 1 << 16), (128,), tuple(sizes), 1e9)
+        return Sweep((64, 256), (1 << 12, 1 << 16), (128,), tuple(sizes), 1e9, (1 << 12,), ((16, 512),))
+    # Backward kernels and the cross-entropy: fewer sizes than the forward sweep (the backward
+    # kernels are costlier), some of them 3 x 2^k so that calibrate's held-out hash holds a few out.
     if kind == "cpu":
         return Sweep((64, 128, 256, 512, 1024, 2048), tuple(1 << e for e in range(12, 26)), (256, 512, 1024),
-                     tuple(sizes), 2 * 2048**3)
+                     tuple(sizes), 2 * 2048**3,
+                     (1 << 12, 1 << 14, 3 << 13, 1 << 16, 1 << 18, 3 << 18, 1 << 20, 1 << 22, 3 << 22, 1 << 24),
+                     tuple(itertools.product((64, 128, 512, 2048), (4096, 6144, 8192))))
     return Sweep((128, 256, 512, 1024, 2048, 4096, 8192), tuple(1 << e for e in range(14, 29)),
-                 (512, 1024, 2048, 4096), tuple(sizes), 2 * 8192**3)
+                 (512, 1024, 2048, 4096), tuple(sizes), 2 * 8192**3,
+                 (1 << 14, 1 << 16, 1 << 18, 3 << 18, 1 << 20, 1 << 22, 3 << 22, 1 << 24, 3 << 24, 1 << 26, 1 << 28),
+                 tuple(itertools.product((512, 2048, 8192), (6144, 8192, 16384, 32768))))
 
 
 def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: int, ranks_per_node: int,
@@ -266,14 +284,26 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                 if 2.0 * m * n * k <= sweep.max_gemm_flops:
                     add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING))
     if "memory" in suites:
+        kernel_dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for dtype in dtypes:
             for _, op, elements, cols in plan_memory_ops(model, plan):
                 if elements <= 4 * sweep.memory_elements[-1]:
-                    add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols), origin="plan"))
+                    shape = _shape(rows=elements // cols, cols=cols)
+                    add(Point("memory", op, dtype, shape, origin="plan"))
+                    if dtype == kernel_dtype and op + BACKWARD in BACKWARD_OPS:
+                        add(Point("memory", op + BACKWARD, dtype, shape, origin="plan"))
             for op in MEMORY_OPS:
                 for elements in sweep.memory_elements:
                     cols = min(1024, elements)
                     add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols)))
+            if dtype == kernel_dtype:
+                for op in BACKWARD_OPS:
+                    for elements in sweep.backward_elements:
+                        cols = min(1024, elements)
+                        add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols)))
+                for op in CROSS_ENTROPY_OPS:
+                    for rows, cols in sweep.cross_entropy_shapes:
+                        add(Point("memory", op, dtype, _shape(rows=rows, cols=cols)))
     if "attention" in suites:
         for dtype in dtypes:
             shapes = []
@@ -397,6 +427,28 @@ def make_compute(torch, device, point: Point):
             return lambda: F.gelu(x)
         if op == "dropout":
             return lambda: F.dropout(x, p=0.1, training=True)
+        # Backward kernels alone: what autograd saved (statistics, outputs) is made once, untimed.
+        g = torch.randn_like(x) if op in BACKWARD_OPS else None
+        if op == "layernorm_backward":  # input, weight and bias gradients, as a training step asks
+            w, b = torch.ones(d["cols"], dtype=dt, device=dev), torch.zeros(d["cols"], dtype=dt, device=dev)
+            _, mean, rstd = torch.native_layer_norm(x, (d["cols"],), w, b, 1e-5)
+            return lambda: torch.ops.aten.native_layer_norm_backward(g, x, (d["cols"],), mean, rstd, w, b,
+                                                                      [True, True, True])
+        if op == "softmax_backward":
+            y = torch.softmax(x, dim=-1)
+            return lambda: torch._softmax_backward_data(g, y, -1, dt)
+        if op == "gelu_backward":
+            return lambda: torch.ops.aten.gelu_backward(g, x)
+        # The loss as validate.gpt takes it: the logits [rows, vocabulary] cast to fp32, mean
+        # cross-entropy over integer targets; its backward from the loss down to the logits' gradient
+        # in their own dtype (the graph is kept, so each call runs only the backward kernels).
+        targets = torch.randint(0, d["cols"], (d["rows"],), device=dev)
+        if op == "cross_entropy":
+            return lambda: F.cross_entropy(x.float(), targets)
+        if op == "cross_entropy_backward":
+            logits = x.requires_grad_()
+            loss = F.cross_entropy(logits.float(), targets)
+            return lambda: torch.autograd.grad(loss, logits, retain_graph=True)
         raise ValueError(f"unknown memory op {op}")
     if point.suite == "attention":
         shape = (d["batch"], d["heads"], d["seq"], d["head_dim"])
@@ -419,7 +471,8 @@ def compute_counts(point: Point) -> dict:
         e = DTYPE_BYTES[point.dtype]
         return {"flops": flops, "nbytes": e * d["count"] * (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"])}
     if point.suite == "memory":
-        return {"nbytes": traffic_bytes(point.op, d["rows"] * d["cols"], point.dtype)}
+        nbytes = traffic_bytes(point.op, d["rows"] * d["cols"], point.dtype)
+        return {"nbytes": int(nbytes) if float(nbytes).is_integer() else nbytes}
     if point.suite == "attention":
         flops = 2 * 2.0 * d["batch"] * d["heads"] * d["seq"] * d["seq"] * d["head_dim"]
         return {"flops": flops}

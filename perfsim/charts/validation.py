@@ -7,9 +7,10 @@ has it; `statistic` and `clock` choose as calibrate's --statistic and --clock do
 shows what the calibrated profile was fitted to. Its predicted time is the record's own
 `predicted_s` when it has one (a whole training step checked by a validation run); otherwise
 perfsim predicts it with a system profile through the very cost functions a prediction uses:
-GEMMs with perfsim.cost.layer.gemm_time, element-wise and streaming ops with memory_time,
-collectives with perfsim.calibrate.collective_times (the topology model). Other records
-(attention, failed points) are counted and left out, and the page says how many.
+GEMMs with perfsim.cost.layer.gemm_time, element-wise and streaming ops with memory_time (for the
+kernel's kind and direction), collectives with perfsim.calibrate.collective_times (the topology
+model). Other records (attention, failed points) are counted and left out, and the page says how
+many.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SUITE_SYMBOLS = {"gemm": "circle", "memory": "square", "collective": "diamond", 
 
 def _predicted(system, records: list) -> tuple:
     """(predicted seconds per record, NaN where perfsim has no prediction, and notes)."""
-    from perfsim.cost.layer import Gemm, MemoryOp, gemm_time, memory_time
+    from perfsim.cost.layer import Gemm, gemm_time, measured_memory_op, memory_time
     from perfsim.predict import peak_flops
 
     out = np.full(len(records), np.nan)
@@ -49,7 +50,8 @@ def _predicted(system, records: list) -> tuple:
                 continue
             out[i] = float(gemm_time(system.device, peak, Gemm(r["op"], s.get("count", 1), s["m"], s["n"], s["k"])))
         elif r["suite"] == "memory":
-            out[i] = float(memory_time(system.device, MemoryOp(r["op"], float(r["nbytes"]))))
+            op, backward = measured_memory_op(r["op"], float(r["nbytes"]))  # its kind and direction
+            out[i] = float(memory_time(system.device, op, backward))
         elif r["suite"] == "collective":
             collectives.append(i)
     if collectives:

@@ -10,6 +10,12 @@ Backward: each GEMM becomes two GEMMs of the same size (data and weight gradient
 forward time, since the efficiency model is symmetric in (m, n, k). Each element-wise op reads
 its saved input and the incoming gradient and writes the outgoing gradient: three tensor passes
 where its forward made two (read, write), so 1.5 times the forward bytes.
+
+Element-wise ops have a kind (layernorm, softmax, gelu, add, dropout, cross_entropy; "" for the
+embedding and rotary, priced generically). A profile's optional
+[device.operation_memory_efficiency] prices a kind's forward or backward kernel with its own
+efficiency; without an entry a kind runs at memory_efficiency and its backward takes
+MEMORY_BACKWARD x its forward time, as before the table existed.
 """
 
 from __future__ import annotations
@@ -20,10 +26,28 @@ import numpy as np
 
 from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.spec.model import ModelSpec
-from perfsim.spec.system import Device
+from perfsim.spec.system import BACKWARD, Device
 
 BF16 = 2  # bytes per element of activations and weights
 FP32 = 4
+GEMM_BACKWARD = 2.0  # data and weight gradient
+MEMORY_BACKWARD = 1.5  # three tensor passes against two (the bytes of an element-wise backward)
+# Forward bytes per element of each element-wise kind: (tensor passes, extra bytes), i.e. passes x
+# the element size + extra: reads + writes, a dropout's one-byte mask, and the cross-entropy's bf16
+# logits read once plus four fp32 passes (head_memory_ops). The calibration harness
+# (validate/microbench.py) counts its measurements with the same table.
+KIND_TRAFFIC = {"layernorm": (2, 0), "softmax": (2, 0), "gelu": (2, 0), "add": (3, 0), "dropout": (2, 1),
+                "cross_entropy": (1, 4 * FP32)}
+# perfsim's element-wise ops and their kinds (the embedding and rotary have none: generic).
+OP_KINDS = {"norm1": "layernorm", "norm2": "layernorm", "final_norm": "layernorm", "softmax": "softmax",
+            "activation": "gelu", "residual1": "add", "residual2": "add", "attn_dropout": "dropout",
+            "proj_dropout": "dropout", "mlp_dropout": "dropout", "cross_entropy": "cross_entropy"}
+
+
+def kind_bytes(kind: str, element: int = BF16) -> int:
+    """Forward bytes per element of an element-wise kind with `element`-byte tensors."""
+    passes, extra = KIND_TRAFFIC[kind]
+    return passes * element + extra
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,8 @@ class Gemm:
 @dataclass(frozen=True)
 class MemoryOp:
     name: str
-    nbytes: object
+    nbytes: object  # forward bytes; the backward moves MEMORY_BACKWARD x as many
+    kind: str = ""  # one of perfsim.spec.system.MEMORY_KINDS, or "" (generic)
 
 
 @dataclass
@@ -67,8 +92,43 @@ def gemm_time(device: Device, peak_flops: float, g: Gemm):
     return np.maximum(compute, memory) + device.kernel_overhead_s
 
 
-def memory_time(device: Device, op: MemoryOp):
-    return op.nbytes / (device.memory_bandwidth_Bps * device.memory_efficiency) + device.kernel_overhead_s
+def _streaming_time(device: Device, nbytes, efficiency):
+    return nbytes / (device.memory_bandwidth_Bps * efficiency) + device.kernel_overhead_s
+
+
+def memory_times(device: Device, op: MemoryOp) -> tuple:
+    """(forward, backward) seconds of an element-wise op: bytes / (bandwidth x efficiency) + one
+    kernel overhead each, the efficiency of the op's kind and direction where the profile has one
+    (the backward moving MEMORY_BACKWARD x the forward bytes); otherwise memory_efficiency forward
+    and MEMORY_BACKWARD x the forward time backward."""
+    efficiency = device.memory_efficiency_of(op.kind)
+    forward = _streaming_time(device, op.nbytes, device.memory_efficiency if efficiency is None else efficiency)
+    efficiency = device.memory_efficiency_of(op.kind, backward=True)
+    if efficiency is None:
+        return forward, MEMORY_BACKWARD * forward
+    return forward, _streaming_time(device, MEMORY_BACKWARD * op.nbytes, efficiency)
+
+
+def memory_time(device: Device, op: MemoryOp, backward: bool = False):
+    """Seconds of an element-wise op's forward kernel, or of its backward (memory_times)."""
+    return memory_times(device, op)[1 if backward else 0]
+
+
+def measured_memory_op(name: str, nbytes) -> tuple:
+    """(MemoryOp, backward?) of a measured element-wise kernel named as the profile's table names
+    them ("layernorm", "softmax_backward"; any other name, copy or triad, is generic), from the
+    bytes recorded with it by perfsim's convention (a backward kernel's: MEMORY_BACKWARD x its
+    forward's)."""
+    kind = name[:-len(BACKWARD)] if name.endswith(BACKWARD) else name
+    if kind not in KIND_TRAFFIC:
+        return MemoryOp(name, nbytes), False
+    if kind == name:
+        return MemoryOp(name, nbytes, kind), False
+    return MemoryOp(name, nbytes / MEMORY_BACKWARD, kind), True
+
+
+def _op(name: str, nbytes) -> MemoryOp:
+    return MemoryOp(name, nbytes, OP_KINDS.get(name, ""))
 
 
 def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]:
@@ -76,25 +136,24 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]
     region = b * s * h / region_split  # elements of the norm/dropout/residual region
     scores = b * model.heads * s * s / t
     ops = [
-        MemoryOp("norm1", 2 * BF16 * region),
-        MemoryOp("softmax", 2 * BF16 * scores),
-        MemoryOp("residual1", 3 * BF16 * region),
-        MemoryOp("norm2", 2 * BF16 * region),
-        # GeLU reads and writes the FC1 output; SwiGLU reads two halves and writes one.
-        MemoryOp("activation", (3 if model.gated_mlp else 2) * BF16 * b * s * f / t),
-        MemoryOp("residual2", 3 * BF16 * region),
+        _op("norm1", kind_bytes("layernorm") * region),
+        _op("softmax", kind_bytes("softmax") * scores),
+        _op("residual1", kind_bytes("add") * region),
+        _op("norm2", kind_bytes("layernorm") * region),
+        # GeLU reads and writes the FC1 output; SwiGLU reads two halves and writes one (priced as
+        # the gelu kind too).
+        _op("activation", (3 * BF16 if model.gated_mlp else kind_bytes("gelu")) * b * s * f / t),
+        _op("residual2", kind_bytes("add") * region),
     ]
     if model.dropout:  # read, write, and a one-byte mask
-        ops += [MemoryOp("attn_dropout", (2 * BF16 + 1) * scores),
-                MemoryOp("proj_dropout", (2 * BF16 + 1) * region),
-                MemoryOp("mlp_dropout", (2 * BF16 + 1) * region)]
+        ops += [_op("attn_dropout", kind_bytes("dropout") * scores),
+                _op("proj_dropout", kind_bytes("dropout") * region),
+                _op("mlp_dropout", kind_bytes("dropout") * region)]
     if not model.learned_positions:  # rotary embedding rewrites Q and K
-        ops.append(MemoryOp("rotary", 2 * BF16 * b * s * (h + model.kv_hidden) / t))
+        ops.append(_op("rotary", 2 * BF16 * b * s * (h + model.kv_hidden) / t))
     return ops
 
 
-GEMM_BACKWARD = 2.0  # data and weight gradient
-MEMORY_BACKWARD = 1.5  # three tensor passes against two
 CORE_MEMORY_OPS = ("softmax", "attn_dropout")
 
 
@@ -110,9 +169,9 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list) -> Wo
             total.weight_grad_s = total.weight_grad_s + time
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
     for op in memory_ops:
-        time = memory_time(device, op)
+        time, backward = memory_times(device, op)
         total.time_s = total.time_s + time
-        total.backward_s = total.backward_s + MEMORY_BACKWARD * time
+        total.backward_s = total.backward_s + backward
         if op.name in CORE_MEMORY_OPS:
             total.core_time_s = total.core_time_s + time
     return total
@@ -127,13 +186,13 @@ def embedding_work(model: ModelSpec, device: Device, b, region_split) -> Work:
         nbytes = nbytes + 3 * BF16 * full
     if model.dropout:
         nbytes = nbytes + (2 * BF16 + 1) * full
-    time = memory_time(device, MemoryOp("embedding", nbytes))
-    return Work(time_s=time, backward_s=MEMORY_BACKWARD * time)
+    time, backward = memory_times(device, MemoryOp("embedding", nbytes))
+    return Work(time_s=time, backward_s=backward)
 
 
 def head_memory_ops(model: ModelSpec, b, split, region_split, vocab) -> list[MemoryOp]:
     """Last stage around the logits GEMM: final norm, and the cross-entropy in fp32 (read bf16
     logits, write an fp32 copy, two fp32 reductions, keep the fp32 softmax for backward)."""
     tokens = b * model.seq
-    return [MemoryOp("final_norm", 2 * BF16 * tokens * model.hidden / region_split),
-            MemoryOp("cross_entropy", (BF16 + 4 * FP32) * tokens * vocab / split)]
+    return [_op("final_norm", kind_bytes("layernorm") * tokens * model.hidden / region_split),
+            _op("cross_entropy", kind_bytes("cross_entropy") * tokens * vocab / split)]

@@ -16,6 +16,13 @@ PROVENANCES = ("spec", "measured", "derived", "assumed", "calibrated")
 
 INF = math.inf
 
+# Element-wise kernel kinds the optional [device.operation_memory_efficiency] table may name: each
+# kind's forward kernel by its name, its backward kernel as "<kind>_backward" (perfsim.cost.layer
+# gives every element-wise op its kind; "gelu" stands for SwiGLU too).
+MEMORY_KINDS = ("layernorm", "softmax", "gelu", "add", "dropout", "cross_entropy")
+BACKWARD = "_backward"
+MEMORY_OPERATIONS = MEMORY_KINDS + tuple(kind + BACKWARD for kind in MEMORY_KINDS)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -29,6 +36,21 @@ class Device:
     gemm_half_dim: float
     memory_efficiency: float
     kernel_overhead_s: float
+    # Optional per-kind efficiencies, ((name, value), ...) in MEMORY_OPERATIONS order, only the kinds
+    # the profile names (a tuple: the dataclass stays hashable). An entry replaces memory_efficiency
+    # for that kind's forward or backward kernel; a kind left out keeps memory_efficiency, and its
+    # backward is MEMORY_BACKWARD x its forward time (perfsim.cost.layer.memory_times).
+    operation_memory_efficiency: tuple = ()
+
+    def memory_efficiency_of(self, kind: str, backward: bool = False):
+        """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
+        if not self.operation_memory_efficiency or not kind:
+            return None
+        name = kind + BACKWARD if backward else kind
+        for entry, value in self.operation_memory_efficiency:
+            if entry == name:
+                return value
+        return None
 
 
 @dataclass(frozen=True)
@@ -56,12 +78,19 @@ ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 # collectives.operation_latency_factor.<op>, collectives.operation_step_overhead_s.<op>); "send" is
 # the point-to-point hop of a pipeline.
 OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
-# table -> (allowed range of each entry's value, value of an operation the table leaves out): an
-# efficiency is a fraction, a latency factor any positive multiplier, a step overhead seconds.
-_OPERATION_TABLES = {"operation_efficiency": (("float", 0.0, 1.0, False), 1.0),
-                     "operation_latency_factor": (("float", 0.0, INF, False), 1.0),
-                     "operation_step_overhead_s": (("float", 0.0, INF, True), 0.0)}
-OPERATION_TABLE_DEFAULTS = {table: default for table, (_, default) in _OPERATION_TABLES.items()}
+# Optional per-operation tables, "section.table" -> (the names an entry may have, what a name is,
+# allowed range of each entry's value, value of a name the table leaves out). A collective
+# efficiency is a fraction, a latency factor any positive multiplier, a step overhead seconds; an
+# element-wise kind's efficiency may exceed 1 (a kind that runs in cache beats the streaming
+# memory_bandwidth_Bps) and defaults to device.memory_efficiency (None here).
+_OPERATION_TABLES = {
+    "collectives.operation_efficiency": (OPERATIONS, "operation", ("float", 0.0, 1.0, False), 1.0),
+    "collectives.operation_latency_factor": (OPERATIONS, "operation", ("float", 0.0, INF, False), 1.0),
+    "collectives.operation_step_overhead_s": (OPERATIONS, "operation", ("float", 0.0, INF, True), 0.0),
+    "device.operation_memory_efficiency": (MEMORY_OPERATIONS, "kind", ("float", 0.0, INF, False), None)}
+# what a collectives table gives an operation it leaves out, by table name
+OPERATION_TABLE_DEFAULTS = {key.split(".")[1]: spec[3] for key, spec in _OPERATION_TABLES.items()
+                            if key.startswith("collectives.")}
 
 
 @dataclass(frozen=True)
@@ -118,14 +147,14 @@ _NONNEG = ("float", 0.0, INF, True)
 _FRACTION = ("float", 0.0, 1.0, False)
 _COUNT = ("int", 1, INF, True)
 _RULES = {
-    "device": {f.name: _POSITIVE for f in fields(Device) if f.name != "name"}
+    "device": {f.name: _POSITIVE for f in fields(Device) if f.name not in ("name", "operation_memory_efficiency")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
     "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name.endswith("_efficiency")
-                    and f.name not in _OPERATION_TABLES},
+                    and f"collectives.{f.name}" not in _OPERATION_TABLES},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
@@ -160,22 +189,28 @@ def _number(where: str, key: str, entry, rule) -> float:
     return value
 
 
-def _operation_table(where: str, table: str, raw, provenance: dict) -> tuple:
-    """An optional per-operation table ([collectives.<table>]) as ((op, value), ...) in OPERATIONS order."""
+def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
+    """An optional per-operation table (key "section.table", see _OPERATION_TABLES) as
+    ((name, value), ...) in the order of its allowed names."""
+    names, noun, rule, _ = _OPERATION_TABLES[key]
     if not isinstance(raw, dict):
-        raise PerfsimError(f"{where}: collectives.{table} must be a table of operations "
-                           f"({', '.join(OPERATIONS)}), each with value, provenance and source")
-    unknown = sorted(set(raw) - set(OPERATIONS))
+        raise PerfsimError(f"{where}: {key} must be a table of {noun}s "
+                           f"({', '.join(names)}), each with value, provenance and source")
+    unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise PerfsimError(f"{where}: unknown operation collectives.{table}.{unknown[0]}; "
-                           f"one of {', '.join(OPERATIONS)}")
+        raise PerfsimError(f"{where}: unknown {noun} {key}.{unknown[0]}; one of {', '.join(names)}")
     entries = []
-    for op in OPERATIONS:
-        if op in raw:
-            key = f"collectives.{table}.{op}"
-            entries.append((op, float(_number(where, key, raw[op], _OPERATION_TABLES[table][0]))))
-            provenance[key] = (raw[op]["provenance"], raw[op]["source"])
+    for name in names:
+        if name in raw:
+            entries.append((name, float(_number(where, f"{key}.{name}", raw[name], rule))))
+            provenance[f"{key}.{name}"] = (raw[name]["provenance"], raw[name]["source"])
     return tuple(entries)
+
+
+def operation_names(key: str) -> tuple:
+    """The names an optional per-operation table ("collectives.operation_efficiency",
+    "device.operation_memory_efficiency", ...) may hold, in the order a System keeps them."""
+    return _OPERATION_TABLES[key][0]
 
 
 def parse_system(data: dict, where: str, path: str = "") -> System:
@@ -203,10 +238,10 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                     raise PerfsimError(f"{where}: {section}.{key} must be a plain string, one of "
                                        f"{', '.join(allowed)}; got {got}")
                 values[key] = raw[key]
-        if section == "collectives":
-            for table in _OPERATION_TABLES:
-                if table in raw:
-                    values[table] = _operation_table(where, table, raw[table], provenance)
+        for key in _OPERATION_TABLES:
+            table_section, table = key.split(".")
+            if table_section == section and table in raw:
+                values[table] = _operation_table(where, key, raw[table], provenance)
         for key, rule in rules.items():
             if key not in raw:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
