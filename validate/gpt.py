@@ -10,7 +10,7 @@ The model is written once, for one process; `parallelize` shards it in place:
 | QKV, FC1 | ColwiseParallel (f: all-reduce of dX backward) | ColwiseParallel, input Shard(1): all-gather |
 | attention output, FC2 | RowwiseParallel (g: all-reduce forward) | RowwiseParallel, output Shard(1): reduce-scatter |
 | LM head (vocabulary-parallel) | ColwiseParallel, output Shard(-1) | same, input Shard(1): all-gather |
-| loss | `loss_parallel()`: max, sum of exponentials and target logit all-reduced | same |
+| loss | validate.loss (Megatron's vocabulary-parallel cross-entropy): max, sum of exponentials and target logit all-reduced | same |
 
 QKV is one fused linear whose output columns are laid out head by head ([heads, 3, head_dim]),
 so a column shard holds whole heads (q, k and v of heads/P heads). The attention core is written
@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from validate.loss import cross_entropy
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -76,43 +78,6 @@ def autocast_for(device_type: str, dtype):
     return contextlib.nullcontext()
 
 
-
-class _CrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of [N, V] logits as Megatron's vocabulary-parallel loss computes it on
-    one rank: an fp32 copy of the logits becomes the softmax in place and is the only tensor kept
-    for backward, whose gradient is computed in that same buffer (softmax - one-hot, scaled) and
-    returned in the logits' dtype. torch's F.cross_entropy keeps the same fp32 tensor but its
-    backward allocates two more of that size (the NLL gradient and the log-softmax gradient),
-    a transient Megatron, and perfsim's memory model, do not have (docs/real-steps-timing.md)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets):
-        x = logits.float()
-        if x.data_ptr() == logits.data_ptr():  # fp32 logits: work on a copy, not on the caller's tensor
-            x = x.clone()
-        rows = torch.arange(x.shape[0], device=x.device)
-        x.sub_(x.max(dim=-1, keepdim=True).values)
-        picked = x[rows, targets]  # target logit less the row's maximum
-        x.exp_()
-        total = x.sum(dim=-1, keepdim=True)
-        x.div_(total)
-        ctx.save_for_backward(x, targets)
-        ctx.dtype = logits.dtype
-        return (total.squeeze(-1).log() - picked).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, targets = ctx.saved_tensors
-        rows = torch.arange(softmax.shape[0], device=softmax.device)
-        softmax[rows, targets] -= 1.0  # the softmax is not needed again: its buffer becomes the gradient
-        softmax.mul_(grad / softmax.shape[0])
-        return softmax.to(ctx.dtype), None
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross-entropy of [N, V] logits and [N] targets, in fp32 whatever the
-    logits' dtype, keeping one fp32 [N, V] tensor (_CrossEntropy). Backward may run once."""
-    return _CrossEntropy.apply(logits, targets)
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -220,23 +185,14 @@ class GPT(nn.Module):
         fp32 logits, as Megatron takes it (and validate.pipeline's token_loss): its statistics
         and the softmax it keeps are fp32 in every dtype, as perfsim counts them."""
         with autocast_for(tokens.device.type, self.embed.weight.dtype):
-            logits = self(tokens)
+            logits = self(tokens)  # parallel: this rank's vocabulary columns, a plain tensor
             if self.mesh is None:
                 return cross_entropy(logits.flatten(0, 1), targets.flatten())
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            with loss_parallel():
-                return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            start = self.mesh.get_local_rank() * logits.shape[-1]
+            return cross_entropy(logits.flatten(0, 1), targets.flatten(), start, group_reduce(self.mesh.get_group()))
 
     def backward(self, loss):
-        """loss.backward(), inside loss_parallel when parallel (its backward needs it)."""
-        if self.mesh is None:
-            loss.backward()
-            return
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
-            loss.backward()
+        loss.backward()
 
     def finish_gradients(self):
         """Sum the partial gradients of parameters used sequence-split, as Megatron's finalize
@@ -253,6 +209,16 @@ class GPT(nn.Module):
             g = p.grad
             if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
                 p.grad = g.redistribute(placements=[Replicate()])
+
+
+def group_reduce(group):
+    """validate.loss's `reduce` over a process group: all-reduce in place, MAX or SUM."""
+    import torch.distributed as dist
+
+    def reduce(tensor, op):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return tensor
+    return reduce
 
 
 def parallelize(model: GPT, mesh, sp: bool) -> GPT:
@@ -276,7 +242,7 @@ def parallelize(model: GPT, mesh, sp: bool) -> GPT:
             plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
         parallelize_module(block, mesh, plan)
     top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region_out),
-           "head": ColwiseParallel(input_layouts=region_in, output_layouts=Shard(-1), use_local_output=False)}
+           "head": ColwiseParallel(input_layouts=region_in, output_layouts=Shard(-1))}
     if sp:
         top["ln_f"] = SequenceParallel()
     parallelize_module(model, mesh, top)

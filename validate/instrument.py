@@ -2,7 +2,7 @@
 
 DTensor (torch 2.13) redistributes through torch.distributed._functional_collectives, which calls
 the `_c10d_functional` ops (`all_reduce`, `all_gather_into_tensor`, `reduce_scatter_tensor`,
-their `_coalesced` forms, and `wait_tensor`); `loss_parallel` calls the same all_reduce. Plain
+their `_coalesced` forms, and `wait_tensor`); the loss (validate.loss) calls plain all_reduce. Plain
 `torch.distributed` calls (all_reduce, all_gather_into_tensor, reduce_scatter_tensor) dispatch
 the in-place `c10d` ops (`allreduce_`, `_allgather_base_`, `_reduce_scatter_base_`). A
 TorchDispatchMode sees both families on the local tensors, whatever Python wrapper issued them,

@@ -54,6 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from validate.gpt import GPT, RECOMPUTE, GPTConfig, attention_core
+from validate.loss import cross_entropy
 
 MODES = ("2d", "2.5d", "3d")
 PLANES = {"3d": (("input", "weight"), ("weight", "output"))}
@@ -322,33 +323,6 @@ class _VocabEmbedding(torch.autograd.Function):
         return dweight, None, None, None, None, None
 
 
-class _VocabCrossEntropy(torch.autograd.Function):
-    """Sum over this device's tokens of the cross-entropy, divided by all tokens of the batch, with
-    the vocabulary split over `key`: max, target logit and sum of exponentials all-reduced (fp32)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, grid, key, total_tokens):
-        lf = logits.float()
-        with tag("stats"):
-            top = grid.all_reduce(lf.max(-1).values, key, dist.ReduceOp.MAX)
-            mine = (targets >= start) & (targets < start + lf.shape[-1])
-            local = (targets - start).clamp(0, lf.shape[-1] - 1)
-            target = torch.where(mine, lf.gather(-1, local.unsqueeze(-1)).squeeze(-1), torch.zeros_like(top))
-            grid.all_reduce(target, key)
-            exp = torch.exp(lf - top.unsqueeze(-1))
-            total = grid.all_reduce(exp.sum(-1), key)
-        ctx.save_for_backward(exp, total, local, mine)
-        ctx.total_tokens, ctx.dtype = total_tokens, logits.dtype
-        return ((torch.log(total) + top - target).sum() / total_tokens).to(torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        exp, total, local, mine = ctx.saved_tensors
-        dl = exp / total.unsqueeze(-1)
-        dl.scatter_add_(-1, local.unsqueeze(-1), -mine.to(dl.dtype).unsqueeze(-1))
-        return (dl * (grad / ctx.total_tokens)).to(ctx.dtype), None, None, None, None, None
-
-
 # ----------------------------------------------------------------------------------------------
 # Modules: parameters are this rank's shards; `shard` maps each to a function of the full tensor
 
@@ -600,7 +574,11 @@ class MultiDimGPT(nn.Module):
         rows = self._rows(tokens.shape[0], after_linear0=True)
         start = (g.coord["input"] if g.mode == "3d" else g.coord["row"]) * logits.shape[-1]
         key = "input" if g.mode == "3d" else "row"
-        return _VocabCrossEntropy.apply(logits, targets[rows].reshape(-1), start, g, key, targets.numel())
+        def reduce(tensor, op):
+            return g.all_reduce(tensor, key, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        with tag("stats"):
+            return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1), start, reduce,
+                                 1.0 / targets.numel())
 
     def global_loss(self, share) -> float:
         """The batch's mean loss from every rank's share (the vocabulary axis holds q copies)."""

@@ -26,7 +26,8 @@ import copy
 import torch
 from torch import nn
 
-from validate.gpt import GPT, cross_entropy
+from validate.gpt import GPT
+from validate.loss import cross_entropy
 from validate.steps import seeded_gpt, synthetic_batches
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")

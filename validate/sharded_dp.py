@@ -94,7 +94,9 @@ class DataParallel:
 
     def step(self):
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients stay views into its buckets, zeroed in place (as Megatron zeroes its
+        # gradient buffer): set to None, the next micro-batch under no_sync would allocate them anew
+        self.optimizer.zero_grad(set_to_none=self.zero >= 2)
 
 
 class DataParallelStep:

@@ -67,7 +67,7 @@ class TensorParallelStep:
         for tokens, targets in self.batches:
             loss = self.module.loss(tokens, targets) / len(self.batches)
             self.module.backward(loss)
-            total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+            total += float(loss.detach())
         self.module.finish_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

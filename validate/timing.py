@@ -99,9 +99,11 @@ def harness_system(system, dtype: str):
 
 
 def predicted(model, system, plan, dtype: str) -> dict:
-    """What perfsim says the measured quantities are. Memory: the step's own bytes (the profile's
-    reserved_memory_bytes, the runtime the ranks hold before the step is built, left out, as the
-    measurement subtracts it)."""
+    """What perfsim says the measured quantities are. Memory: the bytes the step's tensors occupy,
+    as the allocator's peak counts them: perfsim's total less the profile's reserved_memory_bytes
+    (the runtime the ranks hold before the step is built, which the measurement subtracts) and less
+    its allocator_overhead_fraction (the caching allocator's slack, which the allocated bytes on
+    a GPU and the profiler's on a CPU do not include)."""
     from perfsim.cost.traffic import step_sent_bytes
     from perfsim.predict import predict
 
@@ -110,7 +112,8 @@ def predicted(model, system, plan, dtype: str) -> dict:
     return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
             "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "pp", "dp")},
             "activation_bytes": p.memory_bytes["activations"],
-            "peak_memory_bytes": p.memory_bytes["total"] - system.framework.reserved_memory_bytes,
+            "peak_memory_bytes": (p.memory_bytes["total"] - system.framework.reserved_memory_bytes)
+            / (1 + system.framework.allocator_overhead_fraction),
             "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}
 
 
