@@ -27,7 +27,7 @@ class _CrossEntropy(torch.autograd.Function):
         if x.data_ptr() == logits.data_ptr():  # fp32 logits: work on a copy, not on the caller's tensor
             x = x.clone()
         vocab = x.shape[-1]
-        top = reduce(x.max(-1).values, "max")
+        top = reduce(x.amax(-1), "max")
         mine = (targets >= start) & (targets < start + vocab)
         local = (targets - start).clamp(0, vocab - 1)
         target = reduce(torch.where(mine, x.gather(-1, local.unsqueeze(-1)).squeeze(-1), torch.zeros_like(top)), "sum")
