@@ -48,7 +48,17 @@ SUITES = ("gemm", "memory", "attention", "collective")
 STREAM_OPS = ("copy", "triad")
 ELEMENTWISE_OPS = ("layernorm", "softmax", "gelu", "add")
 CHECKED_MEMORY_OPS = ("dropout",)  # RNG-bound on CPUs (0.3-1 GB/s): reported, not fitted
-STATISTICS = {"min": "min_s", "median": "median_s", "p25": "p25_s", "mean": "mean_s"}
+STATISTICS = {"min": "min_s", "median": "median_s", "p25": "p25_s", "mean": "mean_s", "expected": None}
+# "expected" (the default): what a training step pays on average for each call, since a step's time
+# is the sum of many calls. Compute points: the mean of their repetitions. Collectives: the link
+# model on the fastest repetition (the mean scatters too much to fit a model to: gloo's calls
+# are bimodal), plus the mean's excess as a per-operation step overhead (_step_overheads).
+EXPECTED = {"collective": "min_s"}  # suites whose "expected" statistic is not the mean
+
+
+def statistic_key(statistic: str, suite: str) -> str:
+    """The stats field a record of `suite` is fitted on under `statistic`."""
+    return EXPECTED.get(suite, "mean_s") if statistic == "expected" else STATISTICS[statistic]
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
 PRIMARY_DTYPE = {"cpu": ("fp32", "bf16", "fp16"), "cuda": ("bf16", "fp16", "fp32"), "xpu": ("bf16", "fp16", "fp32")}
 HELD_OUT_EVERY = 4  # one size in four is held out
@@ -575,7 +585,7 @@ def _repetition_spread(records) -> str | None:
         return None
     parts = [f"{float(np.median(ratios[name])):.2f} {name}" for _, name in bands if name in ratios]
     return ("collective repetitions, median / min of each point (median over points): " + ", ".join(parts)
-            + " (1 on a quiet machine; the fit uses the min)")
+            + " (1 on a quiet machine)")
 
 
 def _algorithm_rules():
@@ -793,11 +803,12 @@ def _profile_value(system, key: str):
     return getattr(getattr(system, section), name)
 
 
-def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "min",
+def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "expected",
         clock: str = "auto") -> Calibration:
     """Fit `base` (a System) to ledger records; see the module docstring. `statistic` is the
-    repetitions' statistic fitted: "min" (default: the best of the repetitions, the machine
-    without interference from other load), "median", "p25" or "mean". `clock` "auto" fits the CPU
+    repetitions' statistic fitted: "expected" (default: what a step pays on average, see
+    STATISTICS), "min" (the best of the repetitions, the machine without interference from other
+    load), "median", "p25" or "mean". `clock` "auto" fits the CPU
     time of compute points where the ledger has it (one-thread CPU ranks: the time the rank really
     ran, immune to other processes on a shared machine), "wall" the wall clock everywhere."""
     if clock not in ("auto", "wall"):
@@ -811,13 +822,15 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
         if "error" in r:
             continue
         stats = r["cpu_stats"] if clock == "auto" and isinstance(r.get("cpu_stats"), dict) else r["stats"]
-        t = stats.get(STATISTICS[statistic], r["stats"]["median_s"])
+        t = stats.get(statistic_key(statistic, r["suite"]), stats.get("median_s", r["stats"]["median_s"]))
         if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0:
             usable.append({**r, "_t": float(t)})
     if not usable:
         raise PerfsimError(f"ledger {ledger_name} has no usable measurements to fit")
     cpu_clocked = sum(1 for r in usable if clock == "auto" and isinstance(r.get("cpu_stats"), dict))
-    values, quality, notes = {}, [], [f"times fitted: the {statistic} of each point's repetitions"
+    what = ("the mean of each compute point's repetitions, the min of each collective's (plus the "
+            "step overhead)" if statistic == "expected" else f"the {statistic} of each point's repetitions")
+    values, quality, notes = {}, [], [f"times fitted: {what}"
                                       + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
     if len(kinds) > 1:
         notes.append(f"ledger mixes device kinds {', '.join(k or '?' for k in kinds)}; fitting as {kind}")
@@ -963,7 +976,7 @@ def format_report(calibration: Calibration, base) -> str:
 
 
 def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = None, device_kind=None,
-               report=print, warn=None, statistic: str = "min", clock: str = "auto",
+               report=print, warn=None, statistic: str = "expected", clock: str = "auto",
                description: str | None = None) -> Calibration:
     """Read a ledger, fit the base profile, print the report, write the calibrated profile to `out`
     (named `name`, described by `description`; both have defaults from the files and the ledger)."""

@@ -504,3 +504,22 @@ def test_gemms_timed_with_rotated_operands_are_preferred_and_keep_new_keys():
               if p.suite == "gemm"]
     assert {p.timing for p in points} == {mb.GEMM_TIMING}
     assert points[0].key("cpu", 2) != dataclasses.replace(points[0], timing="").key("cpu", 2)
+
+
+def test_expected_statistic_fits_compute_means_and_collective_minima():
+    """The default ("expected"): compute points at the mean of their repetitions (a step's time is
+    the sum of its kernels), collectives' link model at their fastest repetition (the step
+    overhead adds the mean's excess); "min" fits the fastest repetition everywhere."""
+    base, truth = _truth()
+    records = synthetic_records(truth, noise=0.0)
+    for r in records:
+        t = r["stats"]["median_s"]
+        r["stats"] = {"median_s": 1.1 * t, "min_s": t, "mean_s": (1.25 if r["suite"] != "collective" else 1.5) * t}
+    expected, fastest = cal.fit(records, base, "e.jsonl"), cal.fit(records, base, "e.jsonl", statistic="min")
+    e, m = expected.system.device, fastest.system.device
+    assert m.gemm_efficiency == pytest.approx(truth.device.gemm_efficiency, rel=0.03)
+    assert e.peak_flops_fp32 * e.gemm_efficiency == pytest.approx(
+        m.peak_flops_fp32 * m.gemm_efficiency / 1.25, rel=0.03)
+    for s in (expected, fastest):  # the link model is the fastest repetition's either way
+        assert s.system.node.node_link_latency_s == pytest.approx(fastest.system.node.node_link_latency_s, rel=1e-6)
+    assert any("the mean of each compute point" in n for n in expected.notes)

@@ -37,8 +37,9 @@ def add_chart_flags(p) -> None:
                    help="timeline: simulate this schedule instead of the plan's (zb-h1: zero-bubble H1)")
     g.add_argument("--ledger", metavar="FILE.jsonl",
                    help="validation: a measurement ledger written by perfsim calibrate / validate/")
-    g.add_argument("--statistic", default="min", choices=("min", "median", "p25", "mean"),
-                   help="validation: the statistic of each point's repetitions (default min, as calibrate fits)")
+    g.add_argument("--statistic", default="expected", choices=("expected", "min", "median", "p25", "mean"),
+                   help="validation: the statistic of each point's repetitions (default expected, as calibrate "
+                        "fits: the mean, which the profile prices every call at)")
     g.add_argument("--clock", default="auto", choices=("auto", "wall"),
                    help="validation: auto (a rank's CPU time where recorded, as calibrate fits) or wall")
 
