@@ -4,8 +4,8 @@
 |---|---|---|
 | 0 | DistributedDataParallel (`gradient_as_bucket_view`: the gradients live in the buckets), `no_sync` on all but the last micro-batch | one all-reduce of the gradients (DDP's buckets) |
 | 1 | DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=MasterAdam) | DDP's all-reduce, then a broadcast of every parameter from the rank that updated it |
-| 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per block and at the root; unsharded parameters kept from the first forward to the last backward (`set_reshard_after_backward` off until the last micro-batch) | one all-gather of the parameters, one reduce-scatter of the gradients per micro-batch |
-| 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | per micro-batch: all-gather per block for forward and again for backward, the root's once (FSDP2 never reshards the root after forward), one reduce-scatter |
+| 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per block, on the word embedding, on the head and at the root; unsharded parameters kept from the first forward to the last backward (`set_reshard_after_backward` off until the last micro-batch) | one all-gather of the parameters, one reduce-scatter of the gradients per micro-batch |
+| 3 | FSDP2 `fully_shard(reshard_after_forward=True)`, the same units | per micro-batch: all-gather per unit for forward and again for backward, one reduce-scatter |
 
 torch's ZeRO-1 differs from DeepSpeed's (perfsim's): it all-reduces the whole gradient (DDP)
 where DeepSpeed reduce-scatters it, and broadcasts each updated parameter from its owner where
@@ -63,8 +63,11 @@ class DataParallel:
 
             group = group or dist.group.WORLD
             mesh = DeviceMesh.from_group(group, module.pos.device.type)
-            for block in module.blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+            # a unit per block, and the word embedding and the head apart from the root: in the root
+            # they would stay gathered from the head's backward to the embedding's, through every
+            # block's (DeepSpeed's ZeRO-3, and perfsim, gather one module at a time)
+            for unit in (*module.blocks, module.embed, module.head):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=zero == 3)
             fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
             self.module = self.gpt = module
             self.optimizer = self.adam = MasterAdam(module.parameters(), lr=lr, eps=eps)
