@@ -26,7 +26,7 @@ def _raw(path):
 
 # optional per-operation tables: (section, table)
 OPERATION_TABLES = (("collectives", "operation_efficiency"), ("collectives", "operation_latency_factor"),
-                    ("device", "operation_memory_efficiency"))
+                    ("collectives", "operation_step_overhead_s"), ("device", "operation_memory_efficiency"))
 
 
 def _numbers(raw):
@@ -110,6 +110,8 @@ def test_profile_values_are_physically_sane(path):
         assert op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send") and 0 < value <= 1
     for op, value in c.operation_latency_factor:
         assert 0 < value < 100, (op, value)
+    for op, value in c.operation_step_overhead_s:  # a wait per call, not seconds of transfer
+        assert 0 <= value < 0.1, (op, value)
     for kind, value in d.operation_memory_efficiency:  # may exceed 1 (in cache), not by orders of magnitude
         assert 0 < value < 10, (kind, value)
     assert s.network.oversubscription >= 1
