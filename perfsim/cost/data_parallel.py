@@ -7,7 +7,9 @@ Per step, for N parameters on a device and a data-parallel group of d:
 - ZeRO-2: the gradients are kept only as shards, so every micro-batch reduce-scatters its
   gradients (as DeepSpeed does); the weights are all-gathered once after the step;
 - ZeRO-3: every micro-batch all-gathers the bf16 weights for forward, again for backward (and
-  again for a fully recomputed forward), and reduce-scatters its gradients. The gathers are
+  again for a fully recomputed forward), and reduce-scatters its gradients, one module at a time
+  (DeepSpeed and FSDP gather and reduce each layer apart; `zero3_units`), so each of those calls
+  pays its latency once per layer, and per embedding and head. The gathers are
   prefetched, so only what exceeds the micro-batch's compute is exposed; the framework's optional
   zero3_overlap (default 1) says what share can hide at all (0 where communication has no core
   or stream of its own, as for CPU ranks on one core each).
@@ -37,26 +39,36 @@ def step_reduction_time(system: System, comm, c: Columns, params):
     return reduction, gather
 
 
-def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward):
+def zero3_units(model, c: Columns, stage: str):
+    """Modules ZeRO-3 gathers and reduces one at a time on a device of a pipeline stage ("first",
+    "middle" or "last"): its layers, and the word embedding and the head (with the final norm) as
+    modules of their own on the stages that hold them."""
+    edges = np.where(c.pp == 1, 2, {"first": 1, "middle": 0, "last": 1}[stage])
+    return model.layers / c.pp + edges
+
+
+def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward, units=1):
     """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter less the
     dp_overlap share, which can hide only behind the micro-batch's `backward` time; ZeRO-3's
-    gathers and reduce-scatter less the zero3_overlap share of them that hides behind the `busy`
-    compute time."""
+    gathers and reduce-scatters, one per module of the `units` the stage has, less the
+    zero3_overlap share of them that hides behind the `busy` compute time."""
     stride = c.strides["dp"]
     scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
-    gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * comm.all_gather(BF16 * params, c.dp, stride)
     zero2 = scatter - np.minimum(system.framework.dp_overlap * scatter, backward)
-    zero3 = gathers + scatter - np.minimum(system.framework.zero3_overlap * (gathers + scatter), busy)
+    scatters, gather = zero_microbatch_times(system, comm, c, params, units)
+    gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * gather
+    zero3 = gathers + scatters - np.minimum(system.framework.zero3_overlap * (gathers + scatters), busy)
     return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
 
 
-def zero_microbatch_times(system: System, comm, c: Columns, params):
-    """Raw time of the per-micro-batch collectives of ZeRO-2 and ZeRO-3 on `params` parameters,
-    nothing hidden: (gradient reduce-scatter, one all-gather of the bf16 weights). The event
-    simulator overlaps them itself; `microbatch_reduction_time` gives what the closed form exposes."""
+def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
+    """Raw time of the per-micro-batch collectives of ZeRO-2 and ZeRO-3 on `params` parameters
+    in `units` modules of equal size, one call each (1: a single call, ZeRO-2's bucket), nothing
+    hidden: (gradient reduce-scatters, one all-gather of the bf16 weights). The event simulator
+    overlaps them itself; `microbatch_reduction_time` gives what the closed form exposes."""
     stride = c.strides["dp"]
-    scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
-    return scatter, comm.all_gather(BF16 * params, c.dp, stride)
+    scatter = units * comm.reduce_scatter(system.framework.grad_bytes_per_param * params / units, c.dp, stride)
+    return scatter, units * comm.all_gather(BF16 * params / units, c.dp, stride)
 
 
 def tied_embedding_time(model, system: System, comm, c: Columns):

@@ -16,7 +16,7 @@ import numpy as np
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
-from perfsim.cost.data_parallel import microbatch_reduction_time
+from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
 from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
@@ -96,9 +96,10 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     first, last = (_where(p == 1, single, s) for s in (first, last))
 
     params_first, params_last = stage_params(model, c, "first"), stage_params(model, c, "last")
-    for stage, params in ((first, params_first), (middle, stage_params(model, c, "middle")), (last, params_last)):
+    for name, stage, params in (("first", first, params_first), ("middle", middle, stage_params(model, c, "middle")),
+                                ("last", last, params_last)):
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
-                                                  stage.backward)
+                                                  stage.backward, zero3_units(model, c, name))
     return StageCosts(first, middle, last, params_first, params_last)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from perfsim.cost.columns import Columns, columns_of
 from perfsim.cost.data_parallel import (optimizer_time, step_reduction_time, tied_embedding_time,
-                                        zero_microbatch_times)
+                                        zero3_units, zero_microbatch_times)
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
 from perfsim.cost.topology import TopologyCommModel, nic_of
@@ -149,12 +149,14 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
             costs.scatter_bucket = per(lambda k: scatter(chunk[k] * o / layers_per_chunk) if o > 0 else 0.0)
         if zero == 3:
             o3 = float(system.framework.zero3_overlap)
-            gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k])[1])
+            units = {k: zero3_units(model, c, k) / v for k in POSITIONS}  # modules of one chunk
+            gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k], units[k])[1])
             costs.scatter_bucket = per(lambda k: o3 * scatter(chunk[k] / layers_per_chunk))
             costs.gather = {k: o3 * g for k, g in gather.items()}
             backward_gathers = 2 if int(c.recompute) == 2 else 1
             costs.zero3_block_f = {k: (1 - o3) * g for k, g in gather.items()}
-            costs.zero3_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + scatter(chunk[k])))
+            costs.zero3_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + zero_microbatch_times(
+                system, comm, c, chunk[k], units[k])[0]))
         if zero in (1, 2):
             costs.post_gather = per(lambda k: reduction(params[k])[1])
     _place(costs, system, c)
