@@ -25,7 +25,8 @@ checkpointing, and perfsim, re-run the whole checkpointed forward.
 
 The positions of the learned position embedding are replicated; with SP each rank adds its own
 sequence slice, so the position-embedding gradient is partial per rank and `finish_gradients`
-all-reduces it (as Megatron's finalize step does for sequence-parallel parameters).
+all-reduces it with the LayerNorms' partial gradients, in one call (as Megatron's finalize step
+does for sequence-parallel parameters).
 """
 
 from __future__ import annotations
@@ -195,20 +196,32 @@ class GPT(nn.Module):
         loss.backward()
 
     def finish_gradients(self):
-        """Sum the partial gradients of parameters used sequence-split, as Megatron's finalize
-        step does: the position embedding, and the LayerNorms under SequenceParallel, whose
-        DTensor gradients backward leaves Partial (unreduced)."""
+        """Sum the partial gradients of parameters used sequence-split in one all-reduce of them
+        all, as Megatron's finalize step does for its sequence-parallel parameters: the position
+        embedding, and the LayerNorms under SequenceParallel, whose DTensor gradients backward
+        leaves Partial (unreduced)."""
         if not self.sp:
             return
         import torch.distributed as dist
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import DTensor, Replicate
 
-        if self.pos.grad is not None:
-            dist.all_reduce(self.pos.grad, group=self.mesh.get_group())
+        pending = [(self.pos, self.pos.grad)] if self.pos.grad is not None else []
         for p in self.parameters():
             g = p.grad
             if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
-                p.grad = g.redistribute(placements=[Replicate()])
+                pending.append((p, g.to_local()))
+        if not pending:
+            return
+        flat = torch.cat([g.reshape(-1) for _, g in pending])
+        dist.all_reduce(flat, group=self.mesh.get_group())
+        offset = 0
+        for p, g in pending:
+            summed = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if hasattr(p.grad, "placements"):
+                p.grad = DTensor.from_local(summed, self.mesh, [Replicate()], run_check=False)
+            else:
+                p.grad.copy_(summed)
 
 
 def group_reduce(group):
