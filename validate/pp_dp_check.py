@@ -116,7 +116,7 @@ def perfsim_dp_bytes(model, plan: Plan, params: float) -> tuple[dict, dict]:
     implementation sends by the same prices), docs/equations.md section 6.1.
 
     torch differs twice: ZeRO-1 (ZeroRedundancyOptimizer behind DDP) all-reduces the gradients
-    instead of reduce-scattering them, and broadcasts each updated parameter from its owner instead
+    instead of reduce-scattering them, and broadcasts each owner's updated parameters instead
     of all-gathering the shards (the same bytes as the gather); FSDP2 does not gather again for a
     fully recomputed forward (checkpointing runs inside the block, whose parameters its backward
     has already gathered), so ZeRO-3 with full recomputation gathers twice, not three times."""

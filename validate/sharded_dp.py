@@ -3,12 +3,12 @@
 | perfsim zero | here | per step, per data-parallel member |
 |---|---|---|
 | 0 | DistributedDataParallel (`gradient_as_bucket_view`: the gradients live in the buckets), `no_sync` on all but the last micro-batch | one all-reduce of the gradients (DDP's buckets) |
-| 1 | DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=MasterAdam) | DDP's all-reduce, then a broadcast of every parameter from the rank that updated it |
+| 1 | DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=MasterAdam, parameters_as_bucket_view=True) | DDP's all-reduce, then one broadcast per rank of the parameters it updated (a flat bucket) |
 | 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per block, on the word embedding, on the head and at the root; unsharded parameters kept from the first forward to the last backward (`set_reshard_after_backward` off until the last micro-batch) | one all-gather of the parameters, one reduce-scatter of the gradients per micro-batch |
 | 3 | FSDP2 `fully_shard(reshard_after_forward=True)`, the same units | per micro-batch: all-gather per unit for forward and again for backward, one reduce-scatter |
 
 torch's ZeRO-1 differs from DeepSpeed's (perfsim's): it all-reduces the whole gradient (DDP)
-where DeepSpeed reduce-scatters it, and broadcasts each updated parameter from its owner where
+where DeepSpeed reduce-scatters it, and broadcasts each owner's updated parameters where
 DeepSpeed all-gathers the shards; the broadcasts move as many bytes as the all-gather, the
 all-reduce twice the reduce-scatter. ZeroRedundancyOptimizer partitions whole parameters
 greedily by size, so a rank's optimizer state is close to, not exactly, 1/D of the total.
@@ -54,8 +54,11 @@ class DataParallel:
             else:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+                # parameters_as_bucket_view: the updated parameters go out in one broadcast per
+                # owner (a flat bucket), as DeepSpeed's one all-gather, not one call per parameter
                 self.optimizer = ZeroRedundancyOptimizer(self.gpt.parameters(), optimizer_class=MasterAdam,
-                                                         process_group=group, lr=lr, eps=eps)
+                                                         process_group=group, parameters_as_bucket_view=True,
+                                                         lr=lr, eps=eps)
                 self.adam = self.optimizer.optim  # the local MasterAdam over this rank's partition
         else:
             from torch.distributed.device_mesh import DeviceMesh
