@@ -55,6 +55,22 @@ def test_bad_input_is_a_one_line_error(run_cli, tmp_path):
         assert says in r.err and r.err.count("\n") == 1, (extra, r.err)
 
 
+def test_rounds_keep_their_own_keys_and_merge_into_one_measurement():
+    """Round 1's key is the key of a run without rounds (old ledgers resume); later rounds' keys
+    differ. Merged: every timed step of every round and their median, the largest peak, the
+    first round's counts."""
+    plan = timing.parse_plans("tp=2")[0]
+    args = (MODEL, plan, "bf16", 3, 1, "cpu", 2)
+    assert timing.point_key(*args, 1) == timing.point_key(*args)
+    assert len({timing.point_key(*args, r) for r in (1, 2, 3)}) == 3
+    one = {"step_times_s": [1.0, 2.0, 9.0], "step_time_s": 2.0, "peak_memory_bytes": 10.0, "flops": 5.0}
+    two = {"step_times_s": [3.0, 4.0, 5.0], "step_time_s": 4.0, "peak_memory_bytes": 12.0, "flops": 5.0}
+    assert timing.merge_rounds([one]) is one
+    merged = timing.merge_rounds([one, two])
+    assert merged["step_times_s"] == [1.0, 2.0, 9.0, 3.0, 4.0, 5.0] and merged["step_time_s"] == 3.5
+    assert merged["peak_memory_bytes"] == 12.0 and merged["flops"] == 5.0 and merged["rounds"] == 2
+
+
 torch = pytest.importorskip("torch")
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -87,9 +88,23 @@ def plan_label(plan) -> str:
     return " ".join(parts)
 
 
-def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int) -> str:
+def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int,
+              round_: int = 1) -> str:
+    """What identifies one plan's measurement in a ledger; rounds after the first have keys of
+    their own (the first round's is what ledgers before rounds hold)."""
     text = json.dumps([model_spec, plan.as_dict(), dtype, steps, warmup, device, nproc], sort_keys=True)
-    return "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    key = "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    return key if round_ == 1 else f"{key}:round{round_}"
+
+
+def merge_rounds(measured: list) -> dict:
+    """One plan's measurements of several rounds as one: every round's timed steps together and
+    their median, the largest peak memory; the counts (the same in every round) of the first."""
+    if len(measured) == 1:
+        return measured[0]
+    times = [t for m in measured for t in m["step_times_s"]]
+    return dict(measured[0], step_times_s=times, step_time_s=statistics.median(times), rounds=len(measured),
+                peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
 
 
 def harness_system(system, dtype: str):
@@ -183,8 +198,11 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
 
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
-              threads=None, progress=None) -> list:
-    """Measure (or read back from the ledger) and predict every plan; the `--json` list."""
+              threads=None, progress=None, rounds: int = 1) -> list:
+    """Measure (or read back from the ledger) and predict every plan; the `--json` list. With
+    `rounds` > 1 the whole list is run that many times, one plan after the other each time, and a
+    plan's step time is the median over all its rounds' steps: a machine whose speed drifts over
+    minutes then weighs on every plan alike."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
@@ -198,24 +216,25 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         if problems:
             raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
     ledger_path = ledger_path or f"validation-{device}.jsonl"
-    results = []
+    predictions = [predicted(model, system, plan, dtype) for plan in plans]
+    measured = [[] for _ in plans]
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
         earlier = ledger.records
-        for i, plan in enumerate(plans, 1):
-            key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc)
-            prediction = predicted(model, system, plan, dtype)
-            if key in earlier:
-                measured, source = earlier[key]["measured"], "from the ledger"
-            else:
-                measured = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads)
-                ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, measured, prediction, system))
-                source = "measured"
-            entry = _entry(plan, prediction, measured)
-            results.append(entry)
-            st = entry["step_time_s"]
-            progress(f"[{i}/{len(plans)}] {entry['label']}: {source} {st['measured']:.3f} s, "
-                     f"predicted {st['predicted']:.3f} s ({100 * (st['predicted'] / st['measured'] - 1):+.1f}%)")
-    return results
+        for r in range(1, rounds + 1):
+            for i, (plan, prediction) in enumerate(zip(plans, predictions)):
+                key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r)
+                if key in earlier:
+                    got, source = earlier[key]["measured"], "from the ledger"
+                else:
+                    got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads)
+                    ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
+                    source = "measured"
+                measured[i].append(got)
+                st = _entry(plan, prediction, got)["step_time_s"]
+                where = f"round {r}/{rounds} " if rounds > 1 else ""
+                progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {st['measured']:.3f} s, "
+                         f"predicted {st['predicted']:.3f} s ({100 * (st['predicted'] / st['measured'] - 1):+.1f}%)")
+    return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 
 def _error(pred, real):

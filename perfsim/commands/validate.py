@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists, e.g. 'tp=2,sp=true,recompute=full;"
                    "pp=2,schedule=gpipe,gbs=8' (default: plan flags for one plan, else a set of at least 12)")
     p.add_argument("--steps", type=_positive, default=3, help="timed steps per plan (default 3; the median is used)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="run the plan list this many times; a plan's step time is the median over all its rounds' "
+                        "steps (default 1; more weigh a machine whose speed drifts alike on every plan)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first step (which makes one-time allocations), the first of them measuring peak memory (default 1)")
     p.add_argument("--ledger", help="JSON Lines file the runs are appended to and resumed from "
                    "(default validation-DEVICE.jsonl)")
@@ -190,7 +193,7 @@ def run_steps(args) -> list:
     model = args.model or timing.DEFAULT_MODEL
     plans = _chosen_plans(args, nproc, model=model, system=system)[0]
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
-                               args.ledger, float(args.timeout), args.threads)
+                               args.ledger, float(args.timeout), args.threads, rounds=args.rounds)
     print(json.dumps(results, indent=2) if args.json else timing.format_table(results))
     return results
 
