@@ -65,3 +65,25 @@ def write_variant(tmp_path, name: str = "smng-p2", edit=None, filename: str = "p
     path = tmp_path / filename
     path.write_text(dumps(data))
     return str(path)
+
+
+def profile_with(tmp_path, extra: str, name: str = "cpu-example") -> str:
+    """Path of profile `name`'s TOML text with `extra` appended (optional per-operation or
+    per-kind tables are sub-tables, so they may come last)."""
+    with open(os.path.join(HWPROFILES, f"{name}.toml"), encoding="utf-8") as fh:
+        text = fh.read()
+    path = tmp_path / "with-tables.toml"
+    path.write_text(text + "\n" + extra)
+    return str(path)
+
+
+def assert_one_line_error(capsys, path: str, words) -> None:
+    """`perfsim predict --system path` fails with exit status 2 and one line naming the file and
+    every one of `words`."""
+    from perfsim import cli
+
+    assert cli.main(["predict", "--system", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("perfsim: error:") and path in err
+    for word in words:
+        assert word in err, err

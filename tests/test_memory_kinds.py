@@ -16,21 +16,12 @@ from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import MEMORY_KINDS, MEMORY_OPERATIONS, load_system
 
-from profile_toml import HWPROFILES
+from profile_toml import HWPROFILES, assert_one_line_error, profile_with
 
 
 def _entry(kind, value, provenance="calibrated", source="a test: fitted on this machine"):
     return (f'[device.operation_memory_efficiency.{kind}]\nvalue = {value}\nprovenance = "{provenance}"\n'
             f'source = "{source}"\n\n')
-
-
-def _profile_with(tmp_path, extra: str, name="cpu-example"):
-    """A profile's TOML text with `extra` appended (the table is a sub-table of [device])."""
-    with open(f"{HWPROFILES}/{name}.toml", encoding="utf-8") as fh:
-        text = fh.read()
-    path = tmp_path / "kinds.toml"
-    path.write_text(text + "\n" + extra)
-    return str(path)
 
 
 def _with_table(system, **entries):
@@ -39,7 +30,7 @@ def _with_table(system, **entries):
 
 
 def test_the_table_loads_in_kind_order_with_provenance(tmp_path):
-    path = _profile_with(tmp_path, _entry("cross_entropy_backward", 0.05) + _entry("layernorm", 0.3)
+    path = profile_with(tmp_path, _entry("cross_entropy_backward", 0.05) + _entry("layernorm", 0.3)
                          + _entry("add", 2.5))  # above 1: a kind that runs in cache
     system = load_system(path)
     d = system.device
@@ -64,13 +55,7 @@ def test_the_table_loads_in_kind_order_with_provenance(tmp_path):
      ["device.operation_memory_efficiency.layernorm must be a table"]),
 ])
 def test_bad_tables_are_one_line_errors(tmp_path, capsys, extra, words):
-    from perfsim import cli
-    path = _profile_with(tmp_path, extra)
-    assert cli.main(["predict", "--system", path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("perfsim: error:") and path in err
-    for word in words:
-        assert word in err, err
+    assert_one_line_error(capsys, profile_with(tmp_path, extra), words)
 
 
 def test_a_number_where_the_table_belongs_is_an_error(tmp_path, capsys):

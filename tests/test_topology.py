@@ -678,15 +678,9 @@ def test_operations_are_priced_apart_only_when_the_profile_says_so(smng):
     assert model.all_reduce(1e8, 1, 1) == 0.0  # a group of one still costs nothing
 
 
-def _profile_with(tmp_path, extra: str, name="cpu-example"):
-    """cpu-example's TOML text with `extra` appended (per-operation tables are sub-tables of
-    [collectives], so they may come last)."""
-    from profile_toml import HWPROFILES
-    with open(f"{HWPROFILES}/{name}.toml", encoding="utf-8") as fh:
-        text = fh.read()
-    path = tmp_path / "ops.toml"
-    path.write_text(text + "\n" + extra)
-    return str(path)
+def _profile_with(tmp_path, extra: str):
+    from profile_toml import profile_with
+    return profile_with(tmp_path, extra)
 
 
 def _entry(table, op, value, provenance="measured", source="a test: gloo on this machine"):
@@ -767,13 +761,8 @@ def test_step_overhead_is_added_to_every_call_of_its_operation_only(tmp_path):
     ("[collectives.operation_efficiency]\nall_gather = 0.5\n", ["collectives.operation_efficiency.all_gather must be a table"]),
 ])
 def test_bad_operation_tables_are_one_line_errors(tmp_path, capsys, extra, words):
-    from perfsim import cli
-    path = _profile_with(tmp_path, extra)
-    assert cli.main(["predict", "--system", path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("perfsim: error:") and path in err
-    for word in words:
-        assert word in err, err
+    from profile_toml import assert_one_line_error
+    assert_one_line_error(capsys, _profile_with(tmp_path, extra), words)
 
 
 def test_a_table_where_the_operations_belong_must_be_a_table(tmp_path, capsys):
