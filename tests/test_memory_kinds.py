@@ -103,7 +103,9 @@ def test_without_the_table_every_op_is_priced_as_before(name):
                                   recompute="full"), 1.9310322720948796, 0.9758464869816469),
     ("dgx-h100", "llama2-7b", Plan(tp=4, tp_mode="2d", dp=2, mbs=2, gbs=16, recompute="selective"),
      1.542013481817481, 0.9217153369972351),
-    ("smng-p2", "gpt3-13b", Plan(tp=2, dp=4, zero=3, mbs=4, gbs=32), 10.743062621494321, 4.13729340202433),
+    # ZeRO-3's step time as since its gathers go module by module (commit 8f6242d: 10.743062621494321
+    # before, +7.4 ms of latency); its compute as before the table
+    ("smng-p2", "gpt3-13b", Plan(tp=2, dp=4, zero=3, mbs=4, gbs=32), 10.750442621494319, 4.13729340202433),
 ])
 def test_gpu_predictions_are_bit_identical_to_before_the_table(system, model, plan, step, compute):
     """Numbers perfsim printed before per-kind pricing existed (commit 4fe9f31)."""
