@@ -602,7 +602,7 @@ def _without_operation_factors(system):
     return _replace(system, collectives={table: () for table in OPERATION_TABLE_DEFAULTS})
 
 
-STEP_TIMING = "interleaved"  # collectives timed as a step issues them: alone, right after compute
+STEP_TIMING = COLLECTIVE_TIMINGS[0]  # collectives timed as a step issues them: alone, right after compute
 STEP_OVERHEAD_MAX_BYTES = 16 << 20  # above this, the repetitions' spread is bandwidth noise, not a wait
 
 

@@ -109,3 +109,25 @@ def test_without_dropout_is_smaller():
     got = float(layer_activation_bytes(m, b, t, False, NONE))
     expected = korthikanti(s, b, h, a, t, False, "none") - 3 * a * s * s * b / t - 2 * s * b * h
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_allocated_bytes_inverts_the_reserved_runtime_and_the_allocator_slack():
+    """memory_breakdown's total = tensors x (1 + allocator_overhead_fraction) + reserved; the
+    harness compares an allocator's allocated bytes with the tensors alone."""
+    from perfsim.cost.columns import columns_of
+    from perfsim.cost.memory import allocated_bytes, memory_breakdown
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from perfsim.spec.system import load_system
+
+    import dataclasses
+
+    base, model = load_system("dgx-a100"), load_model("gpt3-1.3b")
+    slack = dataclasses.replace(base, framework=dataclasses.replace(base.framework, allocator_overhead_fraction=0.2))
+    none = dataclasses.replace(base, framework=dataclasses.replace(base.framework, allocator_overhead_fraction=0.0))
+    for plan in (Plan(tp=2, pp=2, mbs=1, gbs=8), Plan(dp=4, zero=3, mbs=2, gbs=8)):
+        c = columns_of(plan)
+        tensors = memory_breakdown(model, none, c, True)["total"] - base.framework.reserved_memory_bytes
+        total = memory_breakdown(model, slack, c, True)["total"]
+        assert float(allocated_bytes(total, slack.framework)) == pytest.approx(float(tensors), rel=1e-12)
+        assert float(total - base.framework.reserved_memory_bytes) > float(tensors)

@@ -119,6 +119,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
     (the runtime the ranks hold before the step is built, which the measurement subtracts) and less
     its allocator_overhead_fraction (the caching allocator's slack, which the allocated bytes on
     a GPU and the profiler's on a CPU do not include)."""
+    from perfsim.cost.memory import allocated_bytes
     from perfsim.cost.traffic import step_sent_bytes
     from perfsim.predict import predict
 
@@ -127,8 +128,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
     return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
             "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "pp", "dp")},
             "activation_bytes": p.memory_bytes["activations"],
-            "peak_memory_bytes": (p.memory_bytes["total"] - system.framework.reserved_memory_bytes)
-            / (1 + system.framework.allocator_overhead_fraction),
+            "peak_memory_bytes": allocated_bytes(p.memory_bytes["total"], system.framework),
             "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}
 
 
@@ -230,10 +230,10 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
                     source = "measured"
                 measured[i].append(got)
-                st = _entry(plan, prediction, got)["step_time_s"]
+                real, pred = got["step_time_s"], prediction["step_time_s"]
                 where = f"round {r}/{rounds} " if rounds > 1 else ""
-                progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {st['measured']:.3f} s, "
-                         f"predicted {st['predicted']:.3f} s ({100 * (st['predicted'] / st['measured'] - 1):+.1f}%)")
+                progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {real:.3f} s, "
+                         f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%)")
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 

@@ -153,6 +153,13 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
             "activations": activations, "buffers": buffers, "total": total}
 
 
+def allocated_bytes(total, framework):
+    """What the tensors of a device occupy, from memory_breakdown's `total`: less the runtime's
+    reserved_memory_bytes and the allocator's slack (allocator_overhead_fraction of the tensors),
+    as an allocator's allocated-bytes counter sees them."""
+    return (total - framework.reserved_memory_bytes) / (1 + framework.allocator_overhead_fraction)
+
+
 def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
     """The stage (first or last) with the larger total; `stage` says which."""
     first = memory_breakdown(model, system, c, last_stage=False)
