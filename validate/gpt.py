@@ -14,7 +14,8 @@ The model is written once, for one process; `parallelize` shards it in place:
 
 QKV is one fused linear whose output columns are laid out head by head ([heads, 3, head_dim]),
 so a column shard holds whole heads (q, k and v of heads/P heads). The attention core is written
-with explicit matmuls (QK^T and AV) so that FLOP counting sees exactly those two products.
+with explicit batched products (baddbmm for QK^T, bmm for AV) so that FLOP counting sees exactly
+those two products.
 The head is untied from the embedding (`tied_embeddings=False` in the perfsim spec). No dropout.
 
 Recompute (torch.utils.checkpoint, non-reentrant): "selective" checkpoints the attention core
@@ -99,13 +100,30 @@ class GPTConfig:
         return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute)
 
 
+_causal_bias = {}
+
+
+def causal_bias(s: int, dtype, device):
+    """[s, s] additive causal mask (0 on and below the diagonal, -inf above), built once per
+    shape, dtype and device, as a constant of the step."""
+    key = (s, dtype, str(device))
+    if key not in _causal_bias:
+        _causal_bias[key] = torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu(1)
+    return _causal_bias[key]
+
+
 def attention_core(q, k, v):
-    """Causal softmax(Q K^T / sqrt(d)) V on [b, heads, s, d] tensors."""
-    s = q.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, v)
+    """Causal softmax(Q K^T / sqrt(d)) V on [b, heads, s, d] tensors, with Megatron's kernels: the
+    scale and the causal mask ride on the QK^T GEMM (baddbmm: alpha = 1/sqrt(d), the mask as its
+    added input, where Megatron scales in baddbmm and masks inside its fused softmax), so the
+    scores see one softmax pass, as perfsim prices them; a separate division and masked_fill
+    cost two more passes over [b, heads, s, s] forward and two backward."""
+    b, heads, s, d = q.shape
+    rows = b * heads
+    scores = torch.baddbmm(causal_bias(s, q.dtype, q.device), q.reshape(rows, s, d),
+                           k.reshape(rows, s, d).transpose(1, 2), alpha=1 / math.sqrt(d))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v.reshape(rows, s, d)).view(b, heads, s, d)
 
 
 class Attention(nn.Module):

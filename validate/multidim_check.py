@@ -123,7 +123,7 @@ def saved_by_layer(params, per_layer: list):
     """Bytes one transformer layer saves for backward (MultiDimGPT.block_context), appended to
     `per_layer`: validate.instrument.SavedBytes around the layer's forward alone. Nothing saved
     in a forward is freed before its backward, so the meter's live peak over the layer is the
-    layer's total; its booleans (the causal mask), kept apart there, are added back here at their
+    layer's total; its booleans (if any), kept apart there, are added back here at their
     own size (docs/real-steps-multidim.md)."""
     from validate.instrument import SavedBytes
 
