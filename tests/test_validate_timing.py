@@ -63,6 +63,9 @@ def test_rounds_keep_their_own_keys_and_merge_into_one_measurement():
     args = (MODEL, plan, "bf16", 3, 1, "cpu", 2)
     assert timing.point_key(*args, 1) == timing.point_key(*args)
     assert len({timing.point_key(*args, r) for r in (1, 2, 3)}) == 3
+    # a point measured by an older harness is not read back for this one (revision 1 keys as before)
+    assert timing.point_key(*args, 1, 1) != timing.point_key(*args)
+    assert len({timing.point_key(*args, 1, v) for v in (1, 2, 3)}) == 3
     one = {"step_times_s": [1.0, 2.0, 9.0], "step_time_s": 2.0, "peak_memory_bytes": 10.0, "flops": 5.0}
     two = {"step_times_s": [3.0, 4.0, 5.0], "step_time_s": 4.0, "peak_memory_bytes": 12.0, "flops": 5.0}
     assert timing.merge_rounds([one]) is one

@@ -2,8 +2,9 @@
 (validate.steps), predicted by perfsim with the device's calibrated profile, and both kept in the
 ledger. This side does not import torch; the ranks do.
 
-A plan already in the ledger (same model, plan, dtype, steps, device and rank count) is not run
-again, so an interrupted run resumes where it stopped and nothing measured is lost.
+A plan already in the ledger (same model, plan, dtype, steps, device, rank count and harness
+revision) is not run again, so an interrupted run resumes where it stopped and nothing measured is
+lost.
 """
 
 from __future__ import annotations
@@ -88,11 +89,20 @@ def plan_label(plan) -> str:
     return " ".join(parts)
 
 
+# What the steps run, revised when a change to validate/ makes a step run differently (its time,
+# not only its bookkeeping): a ledger's points of an older revision stay in it, as measured, but
+# are not read back for the current one. 1: the harness of the first ledgers; 2: the attention
+# core as Megatron's kernels (scale and causal mask on the scores' GEMM, validate.gpt).
+HARNESS_REVISION = 2
+
+
 def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int,
-              round_: int = 1) -> str:
+              round_: int = 1, revision: int = HARNESS_REVISION) -> str:
     """What identifies one plan's measurement in a ledger; rounds after the first have keys of
-    their own (the first round's is what ledgers before rounds hold)."""
-    text = json.dumps([model_spec, plan.as_dict(), dtype, steps, warmup, device, nproc], sort_keys=True)
+    their own (the first round's is what ledgers before rounds hold), and so do harness revisions
+    after the first."""
+    fields = [model_spec, plan.as_dict(), dtype, steps, warmup, device, nproc] + ([revision] if revision > 1 else [])
+    text = json.dumps(fields, sort_keys=True)
     key = "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
     return key if round_ == 1 else f"{key}:round{round_}"
 
@@ -192,8 +202,8 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
     """The ledger record of one plan's measured step and its prediction: the local run (run_plans)
     and the Slurm job (validate.slurm.record) write the same, so either one resumes from the other's ledger."""
     return {"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
-            "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "measured": measured,
-            "predicted": prediction, "system": system.name}
+            "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "harness_revision": HARNESS_REVISION,
+            "measured": measured, "predicted": prediction, "system": system.name}
 
 
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
