@@ -5,6 +5,7 @@ clear error within the stated timeout, and what was measured stays in the ledger
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -94,6 +95,10 @@ def test_json_entries_and_exact_counts(first_run):
         for key in KEYS[1:]:
             assert r[key]["predicted"] > 0, (key, r)
         assert r["step_time_s"]["measured"] > 0 and r["peak_memory_bytes"]["measured"] > 0
+        # the speed probe ran before every timed step: 2 at the profile's speed, or up to 3 x 2 tried
+        speed = r["machine_speed"]
+        assert speed["probe_over_profile"] > 0 and 2 <= speed["steps"] <= 6
+        assert speed["steps_at_speed"] == 2 or speed["steps"] == 6
         # exact by construction of the harness: FLOPs and (for plain 1d) bytes sent
         assert r["flops"]["counted"] == pytest.approx(r["flops"]["predicted"], rel=1e-9)
     plain = results[0]
@@ -114,6 +119,19 @@ def test_resume_reads_the_ledger_instead_of_running(first_run):
     assert all("from the ledger" in m for m in messages)
     assert [r["step_time_s"]["measured"] for r in again] == [r["step_time_s"]["measured"] for r in results]
     assert ledger.read_text().splitlines() == lines
+
+
+@pytest.mark.multiprocess
+def test_steps_off_the_profiles_speed_are_retaken_up_to_a_limit_then_all_count():
+    """A probe time no machine meets: the ranks take MAX_STEPS_FACTOR x steps, none at speed, and
+    the step time is the median of them all; every rank stopped at the same step (the run ends)."""
+    from validate.speed_probe import MAX_STEPS_FACTOR
+
+    plan = timing.parse_plans(PLANS)[0]
+    got = timing.measure_plan(plan, MODEL, "cpu", 2, "bf16", 2, 1, 60, 1, probe_expected_s=1e-12)
+    assert len(got["step_times_s"]) == len(got["probe_s"]) == MAX_STEPS_FACTOR * 2
+    assert got["at_speed"] == [False] * (MAX_STEPS_FACTOR * 2) and got["probe_expected_s"] == 1e-12
+    assert got["step_time_s"] == statistics.median(got["step_times_s"])
 
 
 @pytest.mark.multiprocess

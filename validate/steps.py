@@ -22,9 +22,10 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
+
+from validate.speed_probe import DEFAULT_TOLERANCE
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang" or "die" makes the last rank fail in its first step
@@ -144,8 +145,10 @@ def _inject_fault(rank: int, world: int) -> None:
 
 
 def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
-            threads: int | None = None) -> dict:
-    """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks)."""
+            threads: int | None = None, probe_expected_s: float | None = None,
+            speed_tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks).
+    `probe_expected_s` is what the profile says the speed probe takes (None: every step counts)."""
     import datetime
 
     import torch
@@ -154,6 +157,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     from validate.campaign import rank_environment
     from validate.device import Device, distributed_backend
     from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
+    from validate.speed_probe import MAX_STEPS_FACTOR, at_speed, make_probe, probe_gemm, step_time
 
     ranks = rank_environment()
     dev = Device(device_kind, ranks.local_rank, threads)
@@ -178,15 +182,28 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    elapsed = []
-    for _ in range(warmup - 1 + steps):
+    def timed_step() -> float:
         dist.barrier()
         dev.sync()
         start = time.perf_counter()
         losses.append(step.run())
         dev.sync()
-        elapsed.append(time.perf_counter() - start)
-    times = job(elapsed[warmup - 1:], dist.ReduceOp.MAX)
+        return time.perf_counter() - start
+
+    for _ in range(warmup - 1):
+        timed_step()
+    # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
+    # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran. Every rank
+    # takes the job-wide (slowest rank's) step and probe times, so all decide alike.
+    probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
+    times, probes, speed_flags = [], [], []
+    while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps:
+        dist.barrier()
+        probe_s = probe()
+        elapsed, probe_s = job([timed_step(), probe_s], dist.ReduceOp.MAX)
+        times.append(elapsed)
+        probes.append(probe_s)
+        speed_flags.append(at_speed(probe_s, probe_expected_s, speed_tolerance))
     peak = allocated.bytes
 
     flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
@@ -198,7 +215,8 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     maxed = job([float(peak), float(saved.peak)], dist.ReduceOp.MAX)
     result = {
         "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
-        "step_times_s": times, "step_time_s": statistics.median(times),
+        "step_times_s": times, "step_time_s": step_time(times, speed_flags),
+        "probe_s": probes, "probe_expected_s": probe_expected_s, "at_speed": speed_flags,
         "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),
@@ -223,12 +241,17 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first one, the first of them measuring memory (at least 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--probe-expected", dest="probe_expected", type=float, default=None,
+                   help="seconds the profile predicts for the speed probe (validate.speed_probe); without it every step counts")
+    p.add_argument("--speed-tolerance", dest="speed_tolerance", type=float, default=DEFAULT_TOLERANCE)
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1")
+    if not args.speed_tolerance > 0 or (args.probe_expected is not None and not args.probe_expected > 0):
+        p.error("--speed-tolerance and --probe-expected must be positive")
     plan = Plan(**json.loads(args.plan))
     result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
-                     args.timeout, args.threads)
+                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance)
     if result.pop("rank") == 0:
         tmp = args.out + ".part"
         with open(tmp, "w") as fh:

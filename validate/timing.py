@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 from perfsim.errors import PerfsimError
+from validate.speed_probe import DEFAULT_TOLERANCE, step_time
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
@@ -107,14 +108,23 @@ def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device
     return key if round_ == 1 else f"{key}:round{round_}"
 
 
+def speed_flags(measured: dict) -> list:
+    """Which of a measurement's timed steps ran at the profile's speed (validate.speed_probe);
+    all of them in records from before the probe."""
+    return measured.get("at_speed") or [True] * len(measured["step_times_s"])
+
+
 def merge_rounds(measured: list) -> dict:
     """One plan's measurements of several rounds as one: every round's timed steps together and
-    their median, the largest peak memory; the counts (the same in every round) of the first."""
+    the median of those at speed, the largest peak memory; the counts (the same in every round)
+    of the first."""
     if len(measured) == 1:
         return measured[0]
     times = [t for m in measured for t in m["step_times_s"]]
-    return dict(measured[0], step_times_s=times, step_time_s=statistics.median(times), rounds=len(measured),
-                peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
+    flags = [f for m in measured for f in speed_flags(m)]
+    probes = [p for m in measured for p in m.get("probe_s") or [None] * len(m["step_times_s"])]
+    return dict(measured[0], step_times_s=times, at_speed=flags, probe_s=probes, step_time_s=step_time(times, flags),
+                rounds=len(measured), peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
 
 
 def harness_system(system, dtype: str):
@@ -143,7 +153,8 @@ def predicted(model, system, plan, dtype: str) -> dict:
 
 
 def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
-                 timeout_s: float, threads) -> dict:
+                 timeout_s: float, threads, probe_expected_s: float | None = None,
+                 speed_tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
     from validate.campaign import launch_ranks
 
@@ -151,7 +162,9 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
         out = os.path.join(tmp, "result.json")
         argv = ["-m", "validate.steps", out, "--plan", json.dumps(plan.as_dict()), "--model", model_spec,
                 "--device", device, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
-                "--timeout", str(timeout_s)] + (["--threads", str(threads)] if threads else [])
+                "--timeout", str(timeout_s), "--speed-tolerance", repr(speed_tolerance)] \
+            + (["--threads", str(threads)] if threads else []) \
+            + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else [])
         launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
                      resume="the ledger keeps the plans already measured; run the same command again to resume")
         with open(out) as fh:
@@ -194,7 +207,19 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "peak_memory_bytes": pair("peak_memory_bytes"),
             "comm_bytes_predicted_by_dimension": prediction["comm_bytes_by_dimension"],
             "comm_bytes_counted_by_kind": measured["comm_bytes_by_kind"],
-            "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"]}
+            "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"],
+            "machine_speed": machine_speed(measured)}
+
+
+def machine_speed(measured: dict) -> dict:
+    """What the speed probe saw over a plan's timed steps: how many ran at the profile's speed, the
+    median over all steps of the step time and of the probe's time over the profile's (None
+    before the probe existed)."""
+    flags, probes = speed_flags(measured), [p for p in measured.get("probe_s") or [] if p is not None]
+    expected = measured.get("probe_expected_s")
+    return {"steps": len(flags), "steps_at_speed": sum(flags),
+            "step_time_all_steps_s": statistics.median(measured["step_times_s"]),
+            "probe_over_profile": statistics.median(probes) / expected if probes and expected else None}
 
 
 def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup: int, measured: dict,
@@ -208,15 +233,17 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
 
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
-              threads=None, progress=None, rounds: int = 1) -> list:
+              threads=None, progress=None, rounds: int = 1, speed_tolerance: float = DEFAULT_TOLERANCE) -> list:
     """Measure (or read back from the ledger) and predict every plan; the `--json` list. With
     `rounds` > 1 the whole list is run that many times, one plan after the other each time, and a
-    plan's step time is the median over all its rounds' steps: a machine whose speed drifts over
-    minutes then weighs on every plan alike."""
+    plan's step time is the median over all its rounds' steps at the profile's speed
+    (validate.speed_probe, within `speed_tolerance`): a machine whose speed drifts over minutes
+    then weighs on every plan alike."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
     from validate.ledger import Ledger
+    from validate.speed_probe import expected_probe_s, probe_gemm
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     model = load_model(model_spec)
@@ -236,14 +263,18 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                 if key in earlier:
                     got, source = earlier[key]["measured"], "from the ledger"
                 else:
-                    got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads)
+                    probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
+                    got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
+                                       probe, speed_tolerance)
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
                     source = "measured"
                 measured[i].append(got)
                 real, pred = got["step_time_s"], prediction["step_time_s"]
                 where = f"round {r}/{rounds} " if rounds > 1 else ""
+                speed = machine_speed(got)
                 progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {real:.3f} s, "
-                         f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%)")
+                         f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%); "
+                         f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed")
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 
@@ -259,6 +290,8 @@ def summary(results: list) -> dict:
         errors = [abs(e) for r in results if r[name].get("comparable", True)
                   and (e := _error(r[name]["predicted"], r[name][other])) is not None]
         out[name] = sum(errors) / len(errors) if errors else None
+    every = [abs(r["step_time_s"]["predicted"] / r["machine_speed"]["step_time_all_steps_s"] - 1) for r in results]
+    out["step_time_all_steps"] = sum(every) / len(every) if every else None
     return out
 
 
@@ -267,13 +300,14 @@ def format_table(results: list) -> str:
         e = _error(pred, real)
         return "     -" if e is None else f"{100 * e:+6.1f}%"
 
-    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}  {'peak MB':>8}{'pred':>8}{'err':>8}"
+    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}{'speed':>7}  {'peak MB':>8}{'pred':>8}{'err':>8}"
             f"  {'flops':>7}{'comm':>7}{'saved':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
-        st, mem = r["step_time_s"], r["peak_memory_bytes"]
+        st, mem, speed = r["step_time_s"], r["peak_memory_bytes"], r["machine_speed"]
         lines.append(
             f"{r['label']:<34}{st['measured']:>8.3f}{st['predicted']:>8.3f}{pct(st['predicted'], st['measured']):>8}"
+            f"{speed['steps_at_speed']:>4}/{speed['steps']:<2}"
             f"  {mem['measured'] / 1e6:>8.1f}{mem['predicted'] / 1e6:>8.1f}{pct(mem['predicted'], mem['measured']):>8}"
             f"  {pct(r['flops']['predicted'], r['flops']['counted']):>7}"
             f"{pct(r['comm_bytes']['predicted'], r['comm_bytes']['counted']):>7}"
@@ -281,8 +315,11 @@ def format_table(results: list) -> str:
     s = summary(results)
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     lines.append("")
-    lines.append(f"mean |error| over {len(results)} plans: step time {fmt(s['step_time_s'])}, peak memory "
+    lines.append(f"mean |error| over {len(results)} plans: step time {fmt(s['step_time_s'])} (over every timed "
+                 f"step, at the profile's speed or not: {fmt(s['step_time_all_steps'])}), peak memory "
                  f"{fmt(s['peak_memory_bytes'])}, FLOPs {fmt(s['flops'])}, bytes sent {fmt(s['comm_bytes'])}, "
                  f"saved activations {fmt(s['activation_bytes'])} (full recomputation left out: the hooks do not "
                  "see inside torch's checkpoint)")
+    lines.append("speed: timed steps whose GEMM probe ran within the tolerance of the profile's prediction "
+                 "(only those make a plan's step time, if any did)")
     return "\n".join(lines)

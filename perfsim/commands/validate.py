@@ -12,6 +12,7 @@ in the ledger (`--ledger`, resumed on a re-run).
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from perfsim.errors import PerfsimError
@@ -31,6 +32,10 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=_positive, default=1,
                    help="run the plan list this many times; a plan's step time is the median over all its rounds' "
                         "steps (default 1; more weigh a machine whose speed drifts alike on every plan)")
+    p.add_argument("--speed-tolerance", dest="speed_tolerance", type=_tolerance, default=0.15,
+                   help="a timed step counts when the GEMM probe before it took within this fraction of what the "
+                        "profile predicts (the machine ran at its calibrated speed); more steps are taken, up to "
+                        "3 x --steps, until --steps of them do (default 0.15; 'inf' counts every step)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first step (which makes one-time allocations), the first of them measuring peak memory (default 1)")
     p.add_argument("--ledger", help="JSON Lines file the runs are appended to and resumed from "
                    "(default validation-DEVICE.jsonl)")
@@ -42,6 +47,16 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_slurm_flags(p)
     p.set_defaults(run=run)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.15 (or inf), got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive fraction such as 0.15 (or inf), got {text}")
+    return value
 
 
 def _add_slurm_flags(p) -> None:
@@ -102,7 +117,6 @@ def emit_slurm(args) -> None:
     world = args.nodes * slurm.TILES_PER_NODE
     model_spec, system = args.model or timing.DEFAULT_MODEL, args.system or "smng-p2"
     model = load_model(model_spec)
-    load_system(system)
     plans, defaulted = _chosen_plans(args, world, model=model_spec, system=None, nodes=None)
     for plan in plans:
         problems = plan_problems(plan, model, world)
@@ -113,7 +127,11 @@ def emit_slurm(args) -> None:
         raise PerfsimError(f"a validation job runs at most {slurm.MAX_PLANS} plans, got {len(plans)}")
     ledger = args.ledger or "validation-xpu.jsonl"
     stem = os.path.splitext(ledger)[0]
-    job = slurm.ValidationJob(nodes=world // slurm.TILES_PER_NODE, plans=tuple(p.as_dict() for p in plans),
+    from validate.speed_probe import expected_probe_s, probe_gemm
+
+    profile = timing.harness_system(load_system(system), args.dtype)
+    probes = tuple(expected_probe_s(profile, args.dtype, probe_gemm(model, p)) for p in plans)
+    job = slurm.ValidationJob(nodes=world // slurm.TILES_PER_NODE, plans=tuple(p.as_dict() for p in plans), probes=probes,
                               model=model_spec, system=system, dtype=args.dtype, steps=args.steps,
                               warmup=args.warmup, timeout=args.timeout, ledger=ledger, results=stem + "-results",
                               out=stem + ".json", time=args.time, partition=args.partition, account=args.account,
@@ -193,7 +211,8 @@ def run_steps(args) -> list:
     model = args.model or timing.DEFAULT_MODEL
     plans = _chosen_plans(args, nproc, model=model, system=system)[0]
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
-                               args.ledger, float(args.timeout), args.threads, rounds=args.rounds)
+                               args.ledger, float(args.timeout), args.threads, rounds=args.rounds,
+                               speed_tolerance=args.speed_tolerance)
     print(json.dumps(results, indent=2) if args.json else timing.format_table(results))
     return results
 

@@ -1,0 +1,46 @@
+"""validate.speed_probe: which timed steps ran at the profile's speed, and what a plan's step time
+is then (docs/real-steps-timing.md, "Machine speed")."""
+
+from __future__ import annotations
+
+import pytest
+
+from perfsim.cost.layer import gemm_time
+from perfsim.predict import peak_flops
+from perfsim.spec.model import load_model
+from perfsim.spec.plan import Plan
+from perfsim.spec.system import load_system
+from validate import speed_probe, timing
+
+
+def test_a_step_is_at_speed_within_the_tolerance_either_way():
+    assert speed_probe.at_speed(1.0, 1.0, 0.15)
+    assert speed_probe.at_speed(1.15, 1.0, 0.15) and not speed_probe.at_speed(1.16, 1.0, 0.15)
+    assert speed_probe.at_speed(1 / 1.15, 1.0, 0.15) and not speed_probe.at_speed(0.86, 1.0, 0.15)
+    assert speed_probe.at_speed(123.0, None, 0.15)  # no expected time: every step counts
+    assert speed_probe.at_speed(1e9, 1.0, float("inf"))
+
+
+def test_step_time_is_the_median_of_the_steps_at_speed_else_of_all():
+    assert speed_probe.step_time([1.0, 5.0, 2.0, 3.0], [True, False, True, True]) == 2.0
+    assert speed_probe.step_time([1.0, 5.0, 2.0], [False, False, False]) == 2.0
+
+
+def test_the_probe_is_the_models_fc1_at_the_plans_micro_batch_priced_by_the_profile():
+    model = load_model("gpt3-350m")
+    g = speed_probe.probe_gemm(model, Plan(tp=2, mbs=3))
+    assert (g.count, g.m, g.n, g.k) == (1, 3 * model.seq, model.ffn_size, model.hidden)  # tp = 1 whatever the plan
+    system = load_system("cpu-calibrated")
+    assert speed_probe.expected_probe_s(system, "bf16", g) == float(gemm_time(system.device, peak_flops(system, "bf16"), g))
+
+
+def test_rounds_merge_the_speed_flags_and_older_records_count_every_step():
+    new = {"step_times_s": [1.0, 9.0], "at_speed": [True, False], "probe_s": [0.1, 0.5], "probe_expected_s": 0.1,
+           "step_time_s": 1.0, "peak_memory_bytes": 1.0}
+    old = {"step_times_s": [3.0], "step_time_s": 3.0, "peak_memory_bytes": 2.0}  # before the probe
+    merged = timing.merge_rounds([new, old])
+    assert merged["at_speed"] == [True, False, True] and merged["step_time_s"] == 2.0
+    speed = timing.machine_speed(merged)
+    assert speed["steps"] == 3 and speed["steps_at_speed"] == 2 and speed["step_time_all_steps_s"] == 3.0
+    assert speed["probe_over_profile"] == pytest.approx(3.0)  # median of 0.1 and 0.5 over 0.1
+    assert timing.machine_speed(old)["probe_over_profile"] is None

@@ -1,0 +1,73 @@
+"""The machine-speed probe of `perfsim validate --device`: one GEMM timed before every timed
+training step, so that a step is compared with perfsim only when the machine ran at the speed its
+profile describes (docs/real-steps-timing.md, "Machine speed").
+
+On a shared machine the same kernel can take 1.6 times as long for minutes (the project's VM,
+other tenants' load; on a cluster, a node running hot or a noisy neighbour on its cores). A step
+measured then tests the machine's state, not the model. Before each timed step every rank times
+the probe, the model's FC1 GEMM at the plan's micro-batch and tp = 1 (`[mbs x seq, hidden] x
+[hidden, ffn]` in the step's dtype, operands rotated through memory as the calibration times
+GEMMs, validate.microbench), and the slowest rank's median counts. A step is *at speed* when that
+probe took at most `1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts
+for it (perfsim.cost.layer.gemm_time); the plan's step time is the median of the steps at speed,
+and the ranks keep stepping, up to MAX_STEPS_FACTOR x the steps asked for, until that many are.
+
+This side (the command's) imports no torch; `make_probe` runs on the ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+PROBE_CALLS = 5  # calls per probe, their median counts (a few ms each on one CPU core)
+MAX_STEPS_FACTOR = 3  # timed steps at most, as a multiple of the steps asked for
+DEFAULT_TOLERANCE = 0.15  # the probe's spread on a quiet VM is about 5%, the profile's GEMM fit about 9%
+
+
+def probe_gemm(model, plan):
+    """The probe's GEMM (a perfsim.cost.layer.Gemm): the model's FC1 at the plan's micro-batch, tp = 1."""
+    from perfsim.cost.layer import Gemm
+
+    return Gemm("speed_probe", 1, plan.mbs * model.seq, model.ffn_size, model.hidden)
+
+
+def expected_probe_s(system, dtype: str, gemm) -> float:
+    """What the profile says the probe takes."""
+    from perfsim.cost.layer import gemm_time
+    from perfsim.predict import peak_flops
+
+    return float(gemm_time(system.device, peak_flops(system, dtype), gemm))
+
+
+def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool:
+    """Whether a step whose probe took `probe_s` ran at the profile's speed (always, without an
+    expected time)."""
+    if expected_s is None:
+        return True
+    ratio = probe_s / expected_s
+    return 1 / (1 + tolerance) <= ratio <= 1 + tolerance
+
+
+def step_time(times: list, speed_flags: list) -> float:
+    """The plan's step time: the median of its steps at speed, or of all of them if none was."""
+    chosen = [t for t, ok in zip(times, speed_flags) if ok]
+    return statistics.median(chosen or times)
+
+
+def make_probe(torch, device, gemm, dtype: str):
+    """On a rank: a no-argument function that times the probe and returns its median seconds."""
+    from validate.microbench import GEMM_TIMING, Point, _shape, make_compute
+
+    point = Point("gemm", "matmul", dtype, _shape(count=1, m=gemm.m, n=gemm.n, k=gemm.k), timing=GEMM_TIMING)
+    call = make_compute(torch, device, point)
+    timer = device.timer()
+    call()  # first touch of the rotated operands outside the timing
+
+    def probe() -> float:
+        times = []
+        for _ in range(PROBE_CALLS):
+            timer.start()
+            call()
+            times.append(timer.stop())
+        return statistics.median(times)
+    return probe
