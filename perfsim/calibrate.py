@@ -17,6 +17,9 @@ was measured with the very formulas predictions use):
 - GEMMs: gemm_efficiency and gemm_half_dim of the efficiency model
   (perfsim.cost.layer.gemm_time) on the first measured dtype of the device (fp32 on CPU, bf16 on
   GPUs); every other measured dtype gets its peak_flops_<dtype> rescaled to what it reached.
+- tensor-parallel overhead: with tp_overhead points (the DTensor layer against Megatron's, timed
+  alternately, validate/tp_overhead.py), framework.tp_layer_overhead_s and sp_layer_overhead_s are
+  the median of their per-round differences (floored at 0).
 - collectives: per link class (card, node, network) the bus bandwidth (link bandwidth x
   collective efficiency) and the latency, through perfsim.cost.topology.TopologyCommModel over
   all measured operations, group shapes and sizes, together with one efficiency and one latency
@@ -44,7 +47,7 @@ from perfsim.errors import PerfsimError
 from perfsim.spec._toml import open_input
 
 LEDGER_SCHEMA = 1
-SUITES = ("gemm", "memory", "attention", "collective")
+SUITES = ("gemm", "memory", "attention", "collective", "tp_overhead")
 STREAM_OPS = ("copy", "triad")
 ELEMENTWISE_OPS = ("layernorm", "softmax", "gelu", "add")
 CHECKED_MEMORY_OPS = ("dropout",)  # RNG-bound on CPUs (0.3-1 GB/s): reported, not fitted
@@ -131,6 +134,11 @@ def _record_problem(record) -> str | None:
             return "has no nbytes"
     if record["suite"] == "memory" and not isinstance(record.get("nbytes"), (int, float)):
         return "has no nbytes"
+    if record["suite"] == "tp_overhead":
+        diffs = record.get("overhead_s")
+        if not (isinstance(diffs, list) and diffs and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                          and math.isfinite(v) for v in diffs)):
+            return "has no overhead_s list"
     return None
 
 
@@ -350,6 +358,36 @@ def _kind_fit(records, dev, ledger):
              f"step runs its element-wise kernels in, where measured); kinds not measured keep memory_efficiency, "
              f"and backward kernels not measured take {MEMORY_BACKWARD:g} x the forward time"]
     return values, [head] + rows, notes
+
+
+# tp_overhead ops (validate/tp_overhead.py LAYOUTS): the profile key each gives, and what it is
+TP_OVERHEAD_KEYS = {"1d": ("framework.tp_layer_overhead_s", "1d"), "1d_sp": ("framework.sp_layer_overhead_s", "1d + SP")}
+
+
+def _tp_overhead_fit(records, ledger) -> tuple:
+    """(values, notes): the host time DTensor's 1d layer adds, without and with SP, from the
+    tp_overhead points (every round's difference of the two layers; their median, floored at 0:
+    a machine's noise can make a small overhead read negative)."""
+    values, notes = {}, []
+    for op, (key, label) in TP_OVERHEAD_KEYS.items():
+        points = [r for r in records if r["suite"] == "tp_overhead" and r["op"] == op]
+        if not points:
+            continue
+        diffs = sorted(d for r in points for d in r["overhead_s"])
+        mid = len(diffs) // 2
+        median = diffs[mid] if len(diffs) % 2 else (diffs[mid - 1] + diffs[mid]) / 2
+        value = max(0.0, median)
+        d = points[0]["shape"]
+        seqs = " / ".join(str(s) for s in sorted({r["shape"]["seq"] for r in points}))
+        layers = sorted(r["reference_stats"]["median_s"] * 1e3 for r in points if "reference_stats" in r)
+        span = f"; Megatron's layer {layers[0]:.3g}-{layers[-1]:.3g} ms" if layers else ""
+        values[key] = Fitted(value, f"median of {len(diffs)} alternating rounds of ledger {ledger}: validate.gpt's "
+                                    f"layer under DTensor ({label}) against "
+                                    f"Megatron's, forward + backward, hidden {d['hidden']}, {seqs} tokens x {d['mbs']}, "
+                                    f"tp {points[0]['group'][0]}{span} (validate/tp_overhead.py)")
+        notes.append(f"tensor-parallel overhead {label}: {value * 1e3:.3g} ms a layer and micro-batch "
+                     f"(rounds' differences {diffs[0] * 1e3:.3g} to {diffs[-1] * 1e3:.3g} ms)")
+    return values, notes
 
 
 def _gemms(records):
@@ -857,6 +895,9 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
                              f"{', '.join(sorted(rest))}; a training step sends {t})")
     v, q, n, system = _collective_fit(usable, system, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
+    v, n = _tp_overhead_fit(usable, ledger_name)
+    values.update(v), notes.extend(n)
+    system = _apply(system, v)
     quality.extend(_attention_check(usable, system))
     return Calibration(values, quality, notes, system)
 

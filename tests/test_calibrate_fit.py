@@ -523,3 +523,39 @@ def test_expected_statistic_fits_compute_means_and_collective_minima():
     for s in (expected, fastest):  # the link model is the fastest repetition's either way
         assert s.system.node.node_link_latency_s == pytest.approx(fastest.system.node.node_link_latency_s, rel=1e-6)
     assert any("the mean of each compute point" in n for n in expected.notes)
+
+
+def _overhead_record(op: str, seq: int, diffs: list) -> dict:
+    return {"schema": 1, "key": f"tp_overhead:{op}:bf16:{seq}", "suite": "tp_overhead", "op": op, "dtype": "bf16",
+            "shape": {"mbs": 1, "seq": seq, "hidden": 1024, "heads": 16}, "group": [2, 1], "origin": "plan",
+            "stats": {"median_s": 0.06}, "reference_stats": {"median_s": 0.05}, "overhead_s": diffs}
+
+
+def test_tp_overhead_points_give_the_median_of_every_rounds_difference():
+    """Both layouts' keys from their points pooled over sequence lengths; a negative median (noise
+    on a small overhead) reads as 0; a record without its rounds is refused."""
+    records = [_overhead_record("1d", 64, [0.004, 0.006, 0.020]), _overhead_record("1d", 128, [0.008, -0.01]),
+               _overhead_record("1d_sp", 64, [-0.003, -0.001, 0.002])]
+    assert all(cal._record_problem(r) is None for r in records)
+    values, notes = cal._tp_overhead_fit(records, "l.jsonl")
+    assert values["framework.tp_layer_overhead_s"].value == pytest.approx(0.006)  # median of 5 rounds
+    assert values["framework.sp_layer_overhead_s"].value == 0.0
+    assert "64 / 128 tokens" in values["framework.tp_layer_overhead_s"].source and len(notes) == 2
+    assert cal._tp_overhead_fit([r for r in records if r["op"] == "1d"], "l")[0].keys() == {"framework.tp_layer_overhead_s"}
+    broken = dict(records[0], overhead_s=[])
+    assert "overhead_s" in cal._record_problem(broken)
+
+
+def test_tp_overhead_points_only_with_1d_tensor_parallelism():
+    model = load_model("gpt3-350m")
+    sweep = mb.default_sweep("cpu", quick=True)
+    points = [p for p in mb.build_points("cpu", ("fp32", "bf16"), model, Plan(tp=2, dp=1, mbs=1, gbs=1), 2, 2, sweep)
+              if p.suite == "tp_overhead"]
+    assert sorted((p.op, p.dims["seq"]) for p in points) == [(op, s) for op in ("1d", "1d_sp") for s in (64, 128, 256)]
+    assert all(p.dtype == "bf16" and p.group == (2, 1) and p.dims["hidden"] == 1024 for p in points)
+    gpu = [p for p in mb.build_points("cuda", ("bf16",), model, Plan(tp=2, dp=1, mbs=1, gbs=1), 2, 2, sweep)
+           if p.suite == "tp_overhead"]
+    assert {p.dims["seq"] for p in gpu} == {model.seq}  # the model's own sequence on a GPU
+    for plan in (Plan(tp=1, dp=2, mbs=1, gbs=2), Plan(tp=4, tp_mode="2d", mbs=1, gbs=1)):
+        assert not [p for p in mb.build_points("cpu", ("bf16",), model, plan, plan.devices, plan.devices, sweep)
+                    if p.suite == "tp_overhead"]

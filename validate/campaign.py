@@ -265,6 +265,10 @@ def measure(torch, device, comm, point, options: Options) -> dict:
     if comm is not None:
         comm.barrier()
     try:
+        if point.suite == "tp_overhead":  # two whole layers timed alternately: a record of its own
+            from validate.tp_overhead import measure_point
+
+            return measure_point(torch, device, comm, point)
         if point.suite == "collective":
             fn = comm.make(point)
             # how a call is timed (microbench.Point.timing): alone after a compute burst, back to

@@ -262,23 +262,31 @@ def parallelize(model: GPT, mesh, sp: bool) -> GPT:
     cfg = model.cfg
     if cfg.heads % tp or cfg.vocab % tp or (sp and cfg.seq % tp):
         raise ValueError(f"heads ({cfg.heads}), vocab ({cfg.vocab}){' and seq' if sp else ''} must divide by tp={tp}")
-    region_in = Shard(1) if sp else Replicate()
-    region_out = Shard(1) if sp else Replicate()
+    region = Shard(1) if sp else Replicate()
     for block in model.blocks:
-        plan = {"attn.qkv": ColwiseParallel(input_layouts=region_in),
-                "attn.proj": RowwiseParallel(output_layouts=region_out),
-                "mlp.fc1": ColwiseParallel(input_layouts=region_in),
-                "mlp.fc2": RowwiseParallel(output_layouts=region_out)}
-        if sp:
-            plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
-        parallelize_module(block, mesh, plan)
-    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region_out),
-           "head": ColwiseParallel(input_layouts=region_in, output_layouts=Shard(-1))}
+        parallelize_module(block, mesh, layer_plan(sp))
+    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region),
+           "head": ColwiseParallel(input_layouts=region, output_layouts=Shard(-1))}
     if sp:
         top["ln_f"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     model.mesh, model.sp = mesh, sp
     return model
+
+
+def layer_plan(sp: bool) -> dict:
+    """torch.distributed.tensor.parallel's plan for one transformer layer (Block): QKV and FC1
+    column-parallel, the projection and FC2 row-parallel; with SP the LayerNorms sequence-split
+    and the region between them entered by an all-gather and left by a reduce-scatter."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    region = Shard(1) if sp else Replicate()
+    plan = {"attn.qkv": ColwiseParallel(input_layouts=region), "attn.proj": RowwiseParallel(output_layouts=region),
+            "mlp.fc1": ColwiseParallel(input_layouts=region), "mlp.fc2": RowwiseParallel(output_layouts=region)}
+    if sp:
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
+    return plan
 
 
 def local_parameter_elements(model: nn.Module) -> int:

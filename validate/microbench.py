@@ -11,7 +11,10 @@ Four suites, each a list of `Point`s (what to measure) and a way to time one:
 - attention: the attention core, fused (scaled_dot_product_attention) and unfused (two batched
   GEMMs around a softmax), at the plan's shape and a small sweep;
 - collective: all-reduce, all-gather, reduce-scatter, broadcast, reduce and send/recv over message
-  sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses.
+  sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses;
+- tp_overhead: with 1d tensor parallelism in the plan, the host time DTensor's tensor-parallel
+  layer takes beyond Megatron's, without and with SP (validate/tp_overhead.py), at the model's
+  hidden size and heads.
 
 Bytes follow perfsim's conventions: an element-wise kind moves perfsim.cost.layer.KIND_TRAFFIC
 bytes per element forward (reads + writes; the very table perfsim's cost model counts with) and
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from perfsim.calibrate import SUITES
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, layer_memory_ops
@@ -42,7 +46,6 @@ from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import BACKWARD
 
-SUITES = ("gemm", "memory", "attention", "collective")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")  # forward, full sweep
 BACKWARD_OPS = ("layernorm_backward", "softmax_backward", "gelu_backward")  # the smaller kernel sweep
@@ -112,6 +115,8 @@ class Point:
             what = f"{d['rows']}x{d['cols']}"
         elif self.suite == "attention":
             what = f"b{d['batch']} h{d['heads']} s{d['seq']} d{d['head_dim']}"
+        elif self.suite == "tp_overhead":
+            what = f"layer of hidden {d['hidden']}, {d['mbs']} x {d['seq']} tokens, tp {self.group[0]}"
         else:
             what = f"{_human_bytes(d['nbytes'])} group {self.group[0]}/stride {self.group[1]}"
         return f"{self.suite} {self.op} {self.dtype} {what}"
@@ -324,6 +329,15 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                     for nbytes in sweep.collective_bytes:
                         add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
                                   timing=COLLECTIVE_TIMING))
+    if "tp_overhead" in suites and plan.tp > 1 and plan.tp_mode == "1d":
+        from validate.tp_overhead import LAYOUTS, overhead_seqs
+
+        dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
+        for layout in LAYOUTS:
+            for seq in overhead_seqs(kind, model.seq, plan.tp):
+                add(Point("tp_overhead", layout, dtype, _shape(mbs=plan.mbs, seq=seq, hidden=model.hidden,
+                                                               heads=model.heads),
+                          group=(plan.tp, int(columns_of(plan).strides["tp"])), origin="plan"))
     return points
 
 

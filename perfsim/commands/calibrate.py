@@ -17,13 +17,13 @@ import os
 import re
 import sys
 
+from perfsim.calibrate import SUITES
 from perfsim.errors import PerfsimError
 
 DEVICES = ("cpu", "cuda", "xpu")
 DEFAULT_MODEL = {"cpu": "gpt3-350m", "cuda": "gpt3-1.3b", "xpu": "smng-p2-20b"}
 DEFAULT_SYSTEM = {"cpu": "cpu-example", "xpu": "smng-p2"}
 DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16",), "xpu": ("bf16",)}
-SUITES = ("gemm", "memory", "attention", "collective")
 DTYPES = ("fp32", "bf16", "fp16")
 PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "mbs", "order", "tp_axes")
 

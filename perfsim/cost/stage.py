@@ -67,13 +67,19 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                  layer_memory_ops(model, b, layout.split, layout.region_split))
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
-    recompute = np.where(c.recompute == FULL, layer.time_s, np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
+    # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
+    # (docs/equations.md 8.1); it runs again with a fully recomputed forward
+    host = layer_host_overhead(system, c)
+    host_fwd, host_bwd = host / 3, 2 * host / 3
+    recompute = np.where(c.recompute == FULL, layer.time_s + host_fwd,
+                         np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
     n = model.layers / p
-    middle = StageTime(compute=n * (layer.time_s + layer.backward_s), recompute=n * recompute,
+    middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
-                       backward=n * (layer.backward_s + recompute + layer_tp_bwd + recompute_tp),
-                       forward_compute=n * layer.time_s, forward_tp=n * layer_tp_fwd, weight_grad=n * layer.weight_grad_s)
+                       backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp),
+                       forward_compute=n * (layer.time_s + host_fwd), forward_tp=n * layer_tp_fwd,
+                       weight_grad=n * layer.weight_grad_s)
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
@@ -101,6 +107,15 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
                                                   stage.backward, zero3_units(model, c, name))
     return StageCosts(first, middle, last, params_first, params_last)
+
+
+def layer_host_overhead(system: System, c: Columns):
+    """Host seconds the tensor-parallel implementation adds to one layer's forward and backward of
+    a micro-batch: the profile's tp_layer_overhead_s (sp_layer_overhead_s with SP) in 1d with t > 1,
+    else 0 (Megatron-LM's layers and the 2d/2.5d/3d ones add none)."""
+    fw = system.framework
+    per_layer = np.where(c.sp, fw.sp_layer_overhead_s, fw.tp_layer_overhead_s)
+    return np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0)
 
 
 def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:

@@ -126,6 +126,12 @@ class Framework:
     # Optional: share of ZeRO-3's per-micro-batch gathers and reduce-scatter that prefetching can
     # hide behind the micro-batch's compute (1: all of it, as on GPUs with a communication stream).
     zero3_overlap: float = 1.0
+    # Optional: host seconds a 1d tensor-parallel implementation adds per transformer layer and
+    # micro-batch (forward and backward) beyond its kernels and collectives, without and with
+    # sequence parallelism: DTensor's dispatch, redistributions and asynchronous-collective waits in
+    # torch.distributed.tensor.parallel (docs/equations.md 8.1). 0: Megatron-LM's hand-written layers.
+    tp_layer_overhead_s: float = 0.0
+    sp_layer_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,8 @@ _RULES = {
                   "step_overhead_s": _NONNEG},
 }
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
-_OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True)}}
+_OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
+                           "sp_layer_overhead_s": _NONNEG}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.

@@ -1,0 +1,53 @@
+"""validate.tp_overhead: Megatron's 1d layer, written here as the reference the DTensor layer's
+overhead is measured against, computes what the DTensor layer computes (so their time difference
+is DTensor's alone), and the timing record has what the calibration fit reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from validate.campaign import launch_ranks  # noqa: E402
+from validate.tp_overhead import LAYOUTS, overhead  # noqa: E402
+
+# fp32, one layer of hidden 64: the two differ only in the order partial sums are added
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_overhead") / "world2.json"
+    launch_ranks(["-W", "ignore::FutureWarning", "-m", "validate.tp_overhead", str(out)], 2, threads=1,
+                 what="tp_overhead check", resume="see the rank's error above")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_megatrons_layer_computes_what_the_dtensor_layer_computes(results):
+    assert [c["case"] for c in results["cases"]] == list(LAYOUTS)
+    for case in results["cases"]:
+        for rank in case["ranks"]:
+            same = rank["same"]
+            assert same["output_max"] > 0.1, case["case"]  # a real output, not zeros
+            for what in ("output", "input_grad", "weight_grad"):
+                assert same[what] <= ATOL, (case["case"], what, same[what])
+
+
+@pytest.mark.multiprocess
+def test_the_timing_record_pairs_every_round(results):
+    for case in results["cases"]:
+        records = [rank["record"] for rank in case["ranks"]]
+        assert records[0]["times_s"] == records[1]["times_s"]  # the slowest rank's, on every rank
+        times = records[0]["times_s"]
+        for name in ("dtensor", "megatron"):
+            forward, backward = times[name]
+            assert len(forward) == len(backward) == 3 and min(forward + backward) > 0
+        assert overhead(times) == {k: records[0][k] for k in ("forward_s", "backward_s")}
+
+
+def test_overhead_is_the_median_of_the_rounds_differences():
+    times = {"dtensor": ([5.0, 9.0, 6.0], [10.0, 10.0, 30.0]), "megatron": ([4.0, 4.0, 4.0], [8.0, 9.0, 9.0])}
+    assert overhead(times) == {"forward_s": 2.0, "backward_s": 2.0}

@@ -1,0 +1,279 @@
+"""What DTensor tensor parallelism adds to a transformer layer's time: the harness's layer
+(validate.gpt.Block sharded by torch.distributed.tensor.parallel, as validate.gpt.parallelize
+shards it) against the same layer written as Megatron-LM writes it, timed alternately on the same
+ranks, shapes and group (docs/calibration.md, "Tensor-parallel overhead").
+
+Megatron's layer runs the same local GEMMs and element-wise kernels and the same collectives, from
+four autograd functions: f (identity forward, all-reduce of the input gradient backward) before
+the column-parallel QKV and FC1, g (all-reduce forward) after the row-parallel projection and FC2;
+with sequence parallelism, an all-gather of the sequence-split input (reduce-scatter backward) in
+f's place and a reduce-scatter (all-gather backward) in g's. What the DTensor layer takes beyond
+it is DTensor's own: the dispatch of every op on a DTensor, its redistributions, the wrapping and
+waiting of its asynchronous collectives. perfsim prices that as framework.tp_layer_overhead_s
+(1d) and framework.sp_layer_overhead_s (1d + SP) per layer and micro-batch: Megatron-LM has none
+(0, the default), the CPU harness's profile the difference measured here.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+LAYOUTS = ("1d", "1d_sp")  # the microbenchmark's ops: without and with sequence parallelism
+REPEATS = 24  # alternating rounds; their per-round differences' median is the overhead
+CPU_SEQS = (64, 128, 256)  # tokens of the CPU measurements (below)
+
+
+def overhead_seqs(device_kind: str, seq: int, tp: int) -> tuple:
+    """The sequence lengths the overhead is measured at. On a GPU the model's own: whether host
+    time shows depends on how long the kernels run. On a CPU core, where host time always adds,
+    short ones: layers of tens of ms, where a difference of a few ms stands out of the machine's
+    noise (at the whole sequence, seconds a layer, it would not); DTensor's work is per op, not per
+    element, and three lengths show whether that holds. Each divisible by `tp` (SP splits the
+    sequence)."""
+    if device_kind != "cpu":
+        return (seq,)
+    return tuple(sorted({max(tp, min(seq, s) // tp * tp) for s in CPU_SEQS}))
+
+
+def _functions(torch, group):
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+
+    def all_gather_seq(x):  # [b, s/P, h] -> [b, s, h]; the collective concatenates along dim 0
+        xt = x.transpose(0, 1).contiguous()
+        out = torch.empty((size * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, xt, group=group)
+        return out.transpose(0, 1)
+
+    def reduce_scatter_seq(x):  # [b, s, h] -> the sum's [b, s/P, h] slice of this rank
+        xt = x.transpose(0, 1).contiguous()
+        out = torch.empty((xt.shape[0] // size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, xt, group=group)
+        return out.transpose(0, 1).contiguous()
+
+    def all_reduce(x):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    def conjugate(forward, backward):
+        """An autograd op running `forward` on the input and `backward` on its gradient."""
+        class Op(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return forward(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return backward(grad)
+        return Op.apply
+
+    def identity(x):
+        return x
+
+    # Megatron's f and g; with SP, f's all-gather and g's reduce-scatter along the sequence
+    return (conjugate(identity, all_reduce), conjugate(all_reduce, identity),
+            conjugate(all_gather_seq, reduce_scatter_seq), conjugate(reduce_scatter_seq, all_gather_seq))
+
+
+def megatron_block(torch, dtensor_block, group, sp: bool):
+    """Megatron-LM's layer holding the same local weights as `dtensor_block` (a validate.gpt.Block
+    sharded over `group`): a module whose forward takes and returns this rank's [b, s, h] input
+    ([b, s/P, h] with SP) and computes what the DTensor layer computes."""
+    from torch import nn
+
+    from validate.gpt import attention_core
+
+    f, g, gather, scatter = _functions(torch, group)
+    enter, leave = (gather, scatter) if sp else (f, g)
+
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+    def linear(module, bias=True):
+        out = nn.Linear(1, 1, bias=False)
+        out.weight = nn.Parameter(local(module.weight))
+        return out, (nn.Parameter(local(module.bias)) if bias and module.bias is not None else None)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            src = dtensor_block
+            self.ln1, self.ln2 = nn.LayerNorm(1), nn.LayerNorm(1)
+            for mine, theirs in ((self.ln1, src.ln1), (self.ln2, src.ln2)):
+                mine.normalized_shape = theirs.normalized_shape
+                mine.weight, mine.bias = nn.Parameter(local(theirs.weight)), nn.Parameter(local(theirs.bias))
+            self.head_dim = src.attn.head_dim
+            self.qkv, self.qkv_bias = linear(src.attn.qkv)
+            self.proj, self.proj_bias = linear(src.attn.proj)
+            self.fc1, self.fc1_bias = linear(src.mlp.fc1)
+            self.fc2, self.fc2_bias = linear(src.mlp.fc2)
+
+        def forward(self, x):
+            qkv = nn.functional.linear(enter(self.ln1(x)), self.qkv.weight, self.qkv_bias)
+            b, s, width = qkv.shape
+            heads = width // (3 * self.head_dim)
+            q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+            context = attention_core(q, k, v).transpose(1, 2).reshape(b, s, heads * self.head_dim)
+            # the row-parallel bias is added once, after the reduction, as Megatron adds it
+            x = x + leave(nn.functional.linear(context, self.proj.weight)) + self.proj_bias
+            hidden = nn.functional.gelu(nn.functional.linear(enter(self.ln2(x)), self.fc1.weight, self.fc1_bias))
+            return x + leave(nn.functional.linear(hidden, self.fc2.weight)) + self.fc2_bias
+
+    return Block()
+
+
+def dtensor_block(torch, cfg, mesh, sp: bool, dtype, device):
+    """validate.gpt's transformer layer, sharded over the 1-D `mesh` as validate.gpt.parallelize
+    shards every layer of the GPT."""
+    from validate.gpt import Block, layer_plan
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    block = Block(cfg).to(device=device, dtype=dtype)
+    parallelize_module(block, mesh, layer_plan(sp))
+    return block
+
+
+def time_layers(torch, device, blocks: dict, x, repeats: int) -> dict:
+    """Forward and backward seconds of each of `blocks` (name -> module) on input `x`, the blocks
+    run alternately `repeats` times after one untimed round; each time is the slowest rank's
+    (every rank returns the same)."""
+    import torch.distributed as dist
+
+    times = {name: ([], []) for name in blocks}
+    for i in range(repeats + 1):
+        for name, block in blocks.items():
+            inp = x.detach().requires_grad_()
+            dist.barrier()
+            device.sync()
+            start = time_now()
+            out = block(inp)
+            device.sync()
+            mid = time_now()
+            out.backward(torch.ones_like(out))
+            device.sync()
+            end = time_now()
+            pair = torch.tensor([mid - start, end - mid], dtype=torch.float64)
+            dist.all_reduce(pair, op=dist.ReduceOp.MAX)
+            if i:
+                times[name][0].append(float(pair[0]))
+                times[name][1].append(float(pair[1]))
+    return times
+
+
+def time_now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def overhead(times: dict) -> dict:
+    """The DTensor layer's extra forward and backward seconds: medians of the per-round differences
+    (rounds alternate the two, so a drift of the machine weighs on both alike)."""
+    def diff(j):
+        return statistics.median(a - b for a, b in zip(times["dtensor"][j], times["megatron"][j]))
+    return {"forward_s": diff(0), "backward_s": diff(1)}
+
+
+def measure_layer(torch, device, group, cfg, sp: bool, mbs: int, dtype, repeats: int) -> dict:
+    """Time the DTensor layer and Megatron's on this rank's share of a [mbs, seq, hidden] input
+    (sequence-split with SP); the record's fields."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device.torch_device.type)
+    size = dist.get_world_size(group)
+    dt = dtensor_block(torch, cfg, mesh, sp, dtype, device.torch_device)
+    mg = megatron_block(torch, dt, group, sp)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(mbs, cfg.seq, cfg.hidden, generator=gen).to(device=device.torch_device, dtype=dtype)
+    if sp:
+        rank = dist.get_rank(group)
+        x = x[:, rank * cfg.seq // size:(rank + 1) * cfg.seq // size]
+    times = time_layers(torch, device, {"dtensor": dt, "megatron": mg}, x, repeats)
+    med = {name: [statistics.median(v) for v in pair] for name, pair in times.items()}
+    return {"times_s": times, "dtensor_s": med["dtensor"], "megatron_s": med["megatron"], **overhead(times)}
+
+
+def measure_point(torch, device, comm, point, repeats: int = REPEATS) -> dict:
+    """The campaign's record of one tp_overhead point (validate.campaign.measure): `stats` over the
+    DTensor layer's forward + backward times (what the ledger checks), `reference_stats` over
+    Megatron's, `overhead_s` the per-round differences, and their forward/backward medians."""
+    import torch.distributed as dist
+
+    from validate.gpt import GPTConfig
+    from validate.microbench import Stats, torch_dtype
+
+    d = point.dims
+    group = comm.groups[point.group][0] or dist.group.WORLD
+    cfg = GPTConfig(1, d["hidden"], d["heads"], d["seq"], vocab=point.group[0])
+    rec = measure_layer(torch, device, group, cfg, point.op == "1d_sp", d["mbs"], torch_dtype(torch, point.dtype),
+                        repeats)
+    totals = {name: [f + b for f, b in zip(*rec["times_s"][name])] for name in ("dtensor", "megatron")}
+    return {"stats": Stats(totals["dtensor"]).as_dict(1), "reference_stats": Stats(totals["megatron"]).as_dict(1),
+            "overhead_s": [a - b for a, b in zip(totals["dtensor"], totals["megatron"])],
+            "forward_overhead_s": rec["forward_s"], "backward_overhead_s": rec["backward_s"]}
+
+
+def compare_layers(torch, group, cfg, sp: bool, mbs: int) -> dict:
+    """Both layers in fp32 on one input: the largest differences of their outputs, input
+    gradients and local weight gradients (the two must compute the same thing for their time
+    difference to be DTensor's alone)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    dt = dtensor_block(torch, cfg, mesh, sp, torch.float32, "cpu")
+    mg = megatron_block(torch, dt, group, sp)
+    x = torch.randn(mbs, cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
+    if sp:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        x = x[:, rank * cfg.seq // size:(rank + 1) * cfg.seq // size]
+    outs, grads = [], []
+    for block in (dt, mg):
+        inp = x.clone().requires_grad_()
+        out = block(inp)
+        out = out.to_local() if hasattr(out, "to_local") else out
+        out.backward(torch.ones_like(out))
+        outs.append(out.detach())
+        grads.append(inp.grad)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    weights = [(local(dt.attn.qkv.weight.grad), mg.qkv.weight.grad), (local(dt.mlp.fc2.weight.grad), mg.fc2.weight.grad)]
+    return {"output": float((outs[0] - outs[1]).abs().max()), "input_grad": float((grads[0] - grads[1]).abs().max()),
+            "weight_grad": max(float((a - b).abs().max()) for a, b in weights),
+            "output_max": float(outs[0].abs().max())}
+
+
+def main(argv=None) -> int:
+    """`python -m validate.tp_overhead OUT.json` as N ranks: per layout, the two layers compared
+    in fp32 and a short bf16 timing record, every rank's (tests/test_validate_tp_overhead.py)."""
+    from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
+
+    parser = check_parser("python -m validate.tp_overhead", "", "comma list of 1d, 1d_sp or all")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    with gloo_ranks(args.timeout) as ranks:
+        import torch
+        import torch.distributed as dist
+
+        from validate.device import Device
+        from validate.gpt import GPTConfig
+
+        cfg = GPTConfig(1, 64, 4, 16, 64)
+        device = Device("cpu", ranks.local_rank, 1)
+        cases = []
+        for layout in LAYOUTS if args.cases == "all" else args.cases.split(","):
+            sp = layout == "1d_sp"
+            same = compare_layers(torch, dist.group.WORLD, cfg, sp, 2)
+            record = measure_layer(torch, device, dist.group.WORLD, cfg, sp, 2, torch.bfloat16, args.repeats)
+            cases.append({"case": layout, "ranks": every_rank({"same": same, "record": record})})
+        write_on_rank0(ranks, args.out, cases=cases)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
