@@ -374,9 +374,7 @@ def _tp_overhead_fit(records, ledger) -> tuple:
         if not points:
             continue
         diffs = sorted(d for r in points for d in r["overhead_s"])
-        mid = len(diffs) // 2
-        median = diffs[mid] if len(diffs) % 2 else (diffs[mid - 1] + diffs[mid]) / 2
-        value = max(0.0, median)
+        value = max(0.0, float(np.median(diffs)))
         d = points[0]["shape"]
         seqs = " / ".join(str(s) for s in sorted({r["shape"]["seq"] for r in points}))
         layers = sorted(r["reference_stats"]["median_s"] * 1e3 for r in points if "reference_stats" in r)

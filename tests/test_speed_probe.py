@@ -44,3 +44,9 @@ def test_rounds_merge_the_speed_flags_and_older_records_count_every_step():
     assert speed["steps"] == 3 and speed["steps_at_speed"] == 2 and speed["step_time_all_steps_s"] == 3.0
     assert speed["probe_over_profile"] == pytest.approx(3.0)  # median of 0.1 and 0.5 over 0.1
     assert timing.machine_speed(old)["probe_over_profile"] is None
+
+
+def test_the_command_line_default_is_the_probes():
+    from perfsim import cli
+
+    assert cli.make_parser().parse_args(["validate"]).speed_tolerance == speed_probe.DEFAULT_TOLERANCE

@@ -32,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=_positive, default=1,
                    help="run the plan list this many times; a plan's step time is the median over all its rounds' "
                         "steps (default 1; more weigh a machine whose speed drifts alike on every plan)")
+    # 0.15: validate.speed_probe.DEFAULT_TOLERANCE, written out because this parser is built
+    # where the validate/ harness may not be installed
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=_tolerance, default=0.15,
                    help="a timed step counts when the GEMM probe before it took within this fraction of what the "
                         "profile predicts (the machine ran at its calibrated speed); more steps are taken, up to "
