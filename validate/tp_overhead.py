@@ -17,6 +17,7 @@ waiting of its asynchronous collectives. perfsim prices that as framework.tp_lay
 from __future__ import annotations
 
 import statistics
+import time
 
 LAYOUTS = ("1d", "1d_sp")  # the microbenchmark's ops: without and with sequence parallelism
 REPEATS = 24  # alternating rounds; their per-round differences' median is the overhead
@@ -91,35 +92,35 @@ def megatron_block(torch, dtensor_block, group, sp: bool):
     def local(t):
         return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
-    def linear(module, bias=True):
-        out = nn.Linear(1, 1, bias=False)
-        out.weight = nn.Parameter(local(module.weight))
-        return out, (nn.Parameter(local(module.bias)) if bias and module.bias is not None else None)
+    def copied(t):
+        return nn.Parameter(local(t)) if t is not None else None
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             src = dtensor_block
-            self.ln1, self.ln2 = nn.LayerNorm(1), nn.LayerNorm(1)
-            for mine, theirs in ((self.ln1, src.ln1), (self.ln2, src.ln2)):
-                mine.normalized_shape = theirs.normalized_shape
-                mine.weight, mine.bias = nn.Parameter(local(theirs.weight)), nn.Parameter(local(theirs.bias))
+            self.ln1, self.ln2 = (nn.LayerNorm(n.normalized_shape, device=n.weight.device, dtype=n.weight.dtype)
+                                  for n in (src.ln1, src.ln2))
+            with torch.no_grad():
+                for mine, theirs in ((self.ln1, src.ln1), (self.ln2, src.ln2)):
+                    mine.weight.copy_(local(theirs.weight))
+                    mine.bias.copy_(local(theirs.bias))
             self.head_dim = src.attn.head_dim
-            self.qkv, self.qkv_bias = linear(src.attn.qkv)
-            self.proj, self.proj_bias = linear(src.attn.proj)
-            self.fc1, self.fc1_bias = linear(src.mlp.fc1)
-            self.fc2, self.fc2_bias = linear(src.mlp.fc2)
+            self.qkv_weight, self.qkv_bias = copied(src.attn.qkv.weight), copied(src.attn.qkv.bias)
+            self.proj_weight, self.proj_bias = copied(src.attn.proj.weight), copied(src.attn.proj.bias)
+            self.fc1_weight, self.fc1_bias = copied(src.mlp.fc1.weight), copied(src.mlp.fc1.bias)
+            self.fc2_weight, self.fc2_bias = copied(src.mlp.fc2.weight), copied(src.mlp.fc2.bias)
 
         def forward(self, x):
-            qkv = nn.functional.linear(enter(self.ln1(x)), self.qkv.weight, self.qkv_bias)
+            qkv = nn.functional.linear(enter(self.ln1(x)), self.qkv_weight, self.qkv_bias)
             b, s, width = qkv.shape
             heads = width // (3 * self.head_dim)
             q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
             context = attention_core(q, k, v).transpose(1, 2).reshape(b, s, heads * self.head_dim)
             # the row-parallel bias is added once, after the reduction, as Megatron adds it
-            x = x + leave(nn.functional.linear(context, self.proj.weight)) + self.proj_bias
-            hidden = nn.functional.gelu(nn.functional.linear(enter(self.ln2(x)), self.fc1.weight, self.fc1_bias))
-            return x + leave(nn.functional.linear(hidden, self.fc2.weight)) + self.fc2_bias
+            x = x + leave(nn.functional.linear(context, self.proj_weight)) + self.proj_bias
+            hidden = nn.functional.gelu(nn.functional.linear(enter(self.ln2(x)), self.fc1_weight, self.fc1_bias))
+            return x + leave(nn.functional.linear(hidden, self.fc2_weight)) + self.fc2_bias
 
     return Block()
 
@@ -148,25 +149,19 @@ def time_layers(torch, device, blocks: dict, x, repeats: int) -> dict:
             inp = x.detach().requires_grad_()
             dist.barrier()
             device.sync()
-            start = time_now()
+            start = time.perf_counter()
             out = block(inp)
             device.sync()
-            mid = time_now()
+            mid = time.perf_counter()
             out.backward(torch.ones_like(out))
             device.sync()
-            end = time_now()
+            end = time.perf_counter()
             pair = torch.tensor([mid - start, end - mid], dtype=torch.float64)
             dist.all_reduce(pair, op=dist.ReduceOp.MAX)
             if i:
                 times[name][0].append(float(pair[0]))
                 times[name][1].append(float(pair[1]))
     return times
-
-
-def time_now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 def overhead(times: dict) -> dict:
@@ -177,21 +172,27 @@ def overhead(times: dict) -> dict:
     return {"forward_s": diff(0), "backward_s": diff(1)}
 
 
+def local_input(torch, cfg, mbs: int, group, sp: bool):
+    """This rank's share of a seeded fp32 [mbs, seq, hidden] layer input: all of it, or with SP
+    its sequence slice."""
+    import torch.distributed as dist
+
+    x = torch.randn(mbs, cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
+    if not sp:
+        return x
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x[:, rank * cfg.seq // size:(rank + 1) * cfg.seq // size]
+
+
 def measure_layer(torch, device, group, cfg, sp: bool, mbs: int, dtype, repeats: int) -> dict:
     """Time the DTensor layer and Megatron's on this rank's share of a [mbs, seq, hidden] input
     (sequence-split with SP); the record's fields."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(group, device.torch_device.type)
-    size = dist.get_world_size(group)
     dt = dtensor_block(torch, cfg, mesh, sp, dtype, device.torch_device)
     mg = megatron_block(torch, dt, group, sp)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(mbs, cfg.seq, cfg.hidden, generator=gen).to(device=device.torch_device, dtype=dtype)
-    if sp:
-        rank = dist.get_rank(group)
-        x = x[:, rank * cfg.seq // size:(rank + 1) * cfg.seq // size]
+    x = local_input(torch, cfg, mbs, group, sp).to(device=device.torch_device, dtype=dtype)
     times = time_layers(torch, device, {"dtensor": dt, "megatron": mg}, x, repeats)
     med = {name: [statistics.median(v) for v in pair] for name, pair in times.items()}
     return {"times_s": times, "dtensor_s": med["dtensor"], "megatron_s": med["megatron"], **overhead(times)}
@@ -221,16 +222,12 @@ def compare_layers(torch, group, cfg, sp: bool, mbs: int) -> dict:
     """Both layers in fp32 on one input: the largest differences of their outputs, input
     gradients and local weight gradients (the two must compute the same thing for their time
     difference to be DTensor's alone)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(group, "cpu")
     dt = dtensor_block(torch, cfg, mesh, sp, torch.float32, "cpu")
     mg = megatron_block(torch, dt, group, sp)
-    x = torch.randn(mbs, cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
-    if sp:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        x = x[:, rank * cfg.seq // size:(rank + 1) * cfg.seq // size]
+    x = local_input(torch, cfg, mbs, group, sp)
     outs, grads = [], []
     for block in (dt, mg):
         inp = x.clone().requires_grad_()
@@ -240,7 +237,7 @@ def compare_layers(torch, group, cfg, sp: bool, mbs: int) -> dict:
         outs.append(out.detach())
         grads.append(inp.grad)
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    weights = [(local(dt.attn.qkv.weight.grad), mg.qkv.weight.grad), (local(dt.mlp.fc2.weight.grad), mg.fc2.weight.grad)]
+    weights = [(local(dt.attn.qkv.weight.grad), mg.qkv_weight.grad), (local(dt.mlp.fc2.weight.grad), mg.fc2_weight.grad)]
     return {"output": float((outs[0] - outs[1]).abs().max()), "input_grad": float((grads[0] - grads[1]).abs().max()),
             "weight_grad": max(float((a - b).abs().max()) for a, b in weights),
             "output_max": float(outs[0].abs().max())}
