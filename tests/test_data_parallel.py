@@ -47,7 +47,8 @@ def test_zero3_gathers_and_reduces_one_module_at_a_time():
 
     model = load_model("layers=6,hidden=256,heads=4,seq=128,vocab=1024")
     base = load_system("cpu-calibrated")
-    system = dataclasses.replace(base, framework=dataclasses.replace(base.framework, zero3_overlap=0.0))
+    system = dataclasses.replace(base, framework=dataclasses.replace(base.framework, zero3_overlap=0.0,
+                                                                      zero_implementation="deepspeed"))
     comm = TopologyCommModel(system)
     for plan, stage, units in ((Plan(dp=2, zero=3, mbs=1, gbs=2), "first", 8),
                                (Plan(dp=2, pp=2, zero=3, mbs=1, gbs=4), "middle", 3),
@@ -62,3 +63,81 @@ def test_zero3_gathers_and_reduces_one_module_at_a_time():
         assert float(got) == pytest.approx(by_hand, rel=1e-12)
         one_call = microbatch_reduction_time(system, comm, c, n, 0.0, 0.0)
         assert float(got) > float(one_call)  # the latency and step overhead are paid per module
+
+
+def _fsdp2_case(plan, model="layers=6,hidden=256,heads=4,seq=128,vocab=1024"):
+    from perfsim.cost.memory import stage_params
+    from perfsim.spec.model import load_model
+    from perfsim.spec.system import load_system
+
+    model = load_model(model)
+    system = load_system("cpu-calibrated")
+    assert system.framework.zero_implementation == "fsdp2" and system.framework.zero3_overlap == 0.0
+    c = columns_of(plan)
+    return model, system, TopologyCommModel(system), c, float(stage_params(model, c, "first"))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fsdp2_zero3_micro_batch_by_hand(recompute):
+    """FSDP2's ZeRO-3 micro-batch: per module two all-gathers (also under full recomputation) and a
+    reduce-scatter, and on the compute stream the buffer copies, each a pass at the streaming
+    bandwidth plus a kernel overhead: per gather the shard in (read + write) and the gathered
+    buffer out to the parameters; the gradients into the reduce-scatter input; the output added
+    to the shard of the earlier micro-batch (one of the two)."""
+    from perfsim.cost.data_parallel import zero3_units
+    from perfsim.cost.layer import BF16
+
+    model, system, comm, c, n = _fsdp2_case(perfsim.Plan(dp=2, zero=3, mbs=1, gbs=4, recompute=recompute))
+    units = float(zero3_units(model, c, "first"))
+    grad, dev = system.framework.grad_bytes_per_param, system.device
+    stream = dev.memory_bandwidth_Bps * dev.memory_efficiency
+    passes = 2 * (2 * BF16 * n / 2 + 2 * BF16 * n) + 2 * grad * n + 0.5 * 3 * grad * n / 2
+    copies = passes / stream + 5.5 * dev.kernel_overhead_s  # the accumulation: every other micro-batch
+    collectives = units * (2 * float(comm.all_gather(BF16 * n / units, 2, 1)) + float(comm.reduce_scatter(grad * n / units, 2, 1)))
+    got = microbatch_reduction_time(system, comm, c, n, 0.0, 0.0, units)
+    assert float(got) == pytest.approx(collectives + copies, rel=1e-12)
+
+
+def test_fsdp2_zero2_reduces_and_gathers_one_module_at_a_time():
+    """FSDP2's ZeRO-2: a reduce-scatter per module per micro-batch (DeepSpeed's: one bucket), and
+    once per step an all-gather per module with its copies."""
+    from perfsim.cost.data_parallel import step_reduction_time, zero3_units
+    from perfsim.cost.layer import BF16
+
+    model, system, comm, c, n = _fsdp2_case(perfsim.Plan(dp=2, zero=2, mbs=1, gbs=4))
+    units = float(zero3_units(model, c, "first"))
+    grad, dev = system.framework.grad_bytes_per_param, system.device
+    stream = dev.memory_bandwidth_Bps * dev.memory_efficiency
+    scatter = units * float(comm.reduce_scatter(grad * n / units, 2, 1))
+    copies = (2 * grad * n + 0.5 * 3 * grad * n / 2) / stream + 1.5 * dev.kernel_overhead_s
+    assert float(microbatch_reduction_time(system, comm, c, n, 0.0, 0.0, units)) == pytest.approx(scatter + copies, rel=1e-12)
+    gather = units * float(comm.all_gather(BF16 * n / units, 2, 1)) \
+        + (2 * BF16 * n / 2 + 2 * BF16 * n) / stream + 2 * dev.kernel_overhead_s
+    reduction, got = step_reduction_time(system, comm, c, n, units)
+    assert float(reduction) == 0.0 and float(got) == pytest.approx(gather, rel=1e-12)
+
+
+def test_fsdp2_memory_by_hand():
+    """FSDP2's memory beside DeepSpeed's (docs/equations.md 6.2): ZeRO-2 keeps the bf16 shard as
+    well as the gathered weights; at a module's reduce-scatter, its unsharded gradients and their
+    flat copy are alive, and under ZeRO-3 the module gathered and the next layer prefetched where
+    DeepSpeed's ZeRO-3 holds two layers. The largest module here is the word embedding."""
+    from perfsim.cost import counts
+    from perfsim.cost.layer import BF16
+    from perfsim.cost.memory import memory_breakdown
+
+    for zero in (2, 3):
+        model, system, _, c, n = _fsdp2_case(perfsim.Plan(dp=2, zero=zero, mbs=1, gbs=4),
+                                             "layers=6,hidden=256,heads=4,seq=128,vocab=8192")
+        deepspeed = dataclasses.replace(system, framework=dataclasses.replace(system.framework,
+                                                                              zero_implementation="deepspeed"))
+        fsdp2, ds = (memory_breakdown(model, s, c, last_stage=False) for s in (system, deepspeed))
+        layer = BF16 * sum(counts.layer_params(model).values())
+        word = BF16 * model.padded_vocab(1) * model.hidden
+        assert word > layer
+        grad = system.framework.grad_bytes_per_param
+        shard = BF16 * n / 2 if zero == 2 else 0.0
+        assert float(fsdp2["weights"]) == pytest.approx(float(ds["weights"]) + shard, rel=1e-12)
+        extra = 2 * grad / BF16 * word + (word + layer - 2 * layer if zero == 3 else 0.0)
+        slack = 1 + system.framework.allocator_overhead_fraction
+        assert float(fsdp2["total"] - ds["total"]) == pytest.approx((shard + extra) * slack, rel=1e-9)

@@ -91,10 +91,8 @@ def test_data_parallel_bytes_equal_perfsim_with_torch_differences_named(results)
         if plan["zero"] == 1:  # all-reduce where DeepSpeed reduce-scatters; broadcasts move the gather's bytes
             assert counted["all_reduce"] == pytest.approx(2 * perfsim["reduce_scatter"]), name
             assert counted["broadcast"] == pytest.approx(perfsim["all_gather"]), name
-        elif plan["zero"] == 3 and plan["recompute"] == "full":  # FSDP2 gathers 2 times, perfsim 3
-            assert counted["all_gather"] == pytest.approx(perfsim["all_gather"] * 2 / 3), name
-            assert counted["reduce_scatter"] == pytest.approx(perfsim["reduce_scatter"]), name
-        else:
+        else:  # ZeRO-2/3 as FSDP2 runs them (the profile's zero_implementation): twice per
+            # micro-batch under full recomputation too
             assert counted == pytest.approx(perfsim, rel=1e-12), name
 
 
@@ -112,10 +110,9 @@ def test_model_state_bytes_equal_perfsim_memory_breakdown(results):
         else:
             assert counted["optimizer"] == perfsim["optimizer"], name
         if plan["zero"] == 2:
-            # FSDP2 holds the shard as the parameter and the gathered copy through the step:
-            # perfsim's ZeRO-2 weights are the gathered copy
-            assert 2 * counted["unsharded_params_in_step"] == perfsim["weights"], name
-            assert counted["weights"] == perfsim["weights"] / plan["dp"], name
+            # FSDP2 holds the shard as the parameter and the gathered copy through the step, and
+            # so does perfsim's ZeRO-2 with zero_implementation = "fsdp2"
+            assert 2 * counted["unsharded_params_in_step"] + counted["weights"] == perfsim["weights"], name
         else:
             assert counted["weights"] == perfsim["weights"], name
         if plan["zero"] == 3:

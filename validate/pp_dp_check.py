@@ -93,7 +93,8 @@ def perfsim_memory(model, plan: Plan, kind: str) -> dict:
     params = float(stage_params(model, c, kind))
     if kind == "middle":
         dp = plan.dp
-        return {"params": params, "weights": BF16 * params / (dp if plan.zero >= 3 else 1),
+        shard_too = plan.zero == 2 and dp > 1 and system.framework.zero_implementation == "fsdp2"
+        return {"params": params, "weights": BF16 * params / (dp if plan.zero >= 3 else 1) + shard_too * BF16 * params / dp,
                 "gradients": system.framework.grad_bytes_per_param * params / (dp if plan.zero >= 2 else 1),
                 "optimizer": OPTIMIZER_BYTES_PER_PARAM * params / (dp if plan.zero >= 1 else 1), "activations": None}
     mem = memory_breakdown(model, system, c, last_stage=kind == "last")
@@ -115,24 +116,22 @@ def perfsim_dp_bytes(model, plan: Plan, params: float) -> tuple[dict, dict]:
     """(perfsim's bytes sent per kind per step by one data-parallel member, what torch's
     implementation sends by the same prices), docs/equations.md section 6.1.
 
-    torch differs twice: ZeRO-1 (ZeroRedundancyOptimizer behind DDP) all-reduces the gradients
+    torch differs in ZeRO-1 (ZeroRedundancyOptimizer behind DDP): it all-reduces the gradients
     instead of reduce-scattering them, and broadcasts each owner's updated parameters instead
-    of all-gathering the shards (the same bytes as the gather); FSDP2 does not gather again for a
-    fully recomputed forward (checkpointing runs inside the block, whose parameters its backward
-    has already gathered), so ZeRO-3 with full recomputation gathers twice, not three times."""
+    of all-gathering the shards (the same bytes as the gather). ZeRO-2 and 3 are FSDP2's, which
+    the profile names (framework.zero_implementation = "fsdp2": ZeRO-3 gathers twice per
+    micro-batch, also under full recomputation)."""
     from perfsim.cost.traffic import dp_sent_by_kind
 
-    d, m = plan.dp, plan.microbatches
+    d = plan.dp
     if d == 1:
         return {}, {}
     perfsim = {k: float(v) for k, v in dp_sent_by_kind(load_system(SYSTEM), plan, params).items()}
     G = load_system(SYSTEM).framework.grad_bytes_per_param
     ar = float(tpc.sent_bytes(tpc.ALL_REDUCE, G * params, d))
-    torch_sends = dict(perfsim)  # ZeRO-0 and ZeRO-2 send what perfsim says
+    torch_sends = dict(perfsim)  # ZeRO-0, 2 and 3 send what perfsim says
     if plan.zero == 1:  # DDP's all-reduce, then the owners' broadcasts (the all-gather's bytes)
         torch_sends = {"all_reduce": ar, "broadcast": perfsim["all_gather"]}
-    elif plan.zero == 3:  # FSDP2 gathers twice per micro-batch, also under full recomputation
-        torch_sends["all_gather"] = 2 * m * float(tpc.sent_bytes(tpc.ALL_GATHER, BF16 * params, d))
     return perfsim, torch_sends
 
 

@@ -15,6 +15,12 @@ Per step, for N parameters on a device and a data-parallel group of d:
   or stream of its own, as for CPU ranks on one core each).
 The framework's dp_overlap says what share of a gradient reduction hides behind the backward pass
 that produces it (ZeRO 0-2); the weight all-gather follows the optimizer step and never hides.
+
+With framework.zero_implementation = "fsdp2" (torch's fully_shard, section 6.2) ZeRO-2 also
+reduce-scatters and gathers one module at a time, ZeRO-3 gathers twice per micro-batch even under
+full recomputation (the recomputed forward runs inside a block whose backward has gathered it), and
+every gather and reduce-scatter copies its tensors through flat communication buffers on the
+compute stream (`fsdp2_copy_times`).
 """
 
 from __future__ import annotations
@@ -22,21 +28,36 @@ from __future__ import annotations
 import numpy as np
 
 from perfsim.cost.columns import FULL, Columns
-from perfsim.cost.layer import BF16
+from perfsim.cost.layer import BF16, MemoryOp, memory_time
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from perfsim.cost.tensor_parallel import weight_shard
 from perfsim.spec.system import System
 
 
-def step_reduction_time(system: System, comm, c: Columns, params):
+def is_fsdp2(system: System) -> bool:
+    return system.framework.zero_implementation == "fsdp2"
+
+
+def zero3_gathers(system: System, c: Columns):
+    """Weight all-gathers of ZeRO-3 per micro-batch: forward and backward, and again for a fully
+    recomputed forward (DeepSpeed), which FSDP2 runs inside the block its backward has gathered."""
+    return 2 + np.where((c.recompute == FULL) & (not is_fsdp2(system)), 1, 0)
+
+
+def step_reduction_time(system: System, comm, c: Columns, params, units=1):
     """Once per step, after the last micro-batch: (gradient reduction that may overlap the last
-    backward pass, weight all-gather that cannot)."""
+    backward pass, weight all-gather that cannot). FSDP2's ZeRO-2 gathers the weights one module
+    of the `units` at a time, with its buffer copies (it does so in the step's first forward; the
+    time is the same where nothing hides it)."""
     grads = system.framework.grad_bytes_per_param * params
     stride = c.strides["dp"]
     reduction = np.where(c.zero == 0, comm.all_reduce(grads, c.dp, stride),
                          np.where(c.zero == 1, comm.reduce_scatter(grads, c.dp, stride), 0.0))
-    gather = np.where((c.zero == 1) | (c.zero == 2), comm.all_gather(BF16 * params, c.dp, stride), 0.0)
-    return reduction, gather
+    calls = np.where((c.zero == 2) & is_fsdp2(system), units, 1)
+    gather = calls * comm.all_gather(BF16 * params / calls, c.dp, stride)
+    if is_fsdp2(system):
+        gather = gather + np.where((c.zero == 2) & (c.dp > 1), fsdp2_copy_times(system, c, params)[0], 0.0)
+    return reduction, np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
 
 
 def zero3_units(model, c: Columns, stage: str):
@@ -51,14 +72,15 @@ def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, ba
     """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter less the
     dp_overlap share, which can hide only behind the micro-batch's `backward` time; ZeRO-3's
     gathers and reduce-scatters, one per module of the `units` the stage has, less the
-    zero3_overlap share of them that hides behind the `busy` compute time."""
-    stride = c.strides["dp"]
-    scatter = comm.reduce_scatter(system.framework.grad_bytes_per_param * params, c.dp, stride)
-    zero2 = scatter - np.minimum(system.framework.dp_overlap * scatter, backward)
+    zero3_overlap share of them that hides behind the `busy` compute time; FSDP2's buffer copies,
+    which run on the compute stream and never hide."""
+    scatter2, _ = zero_microbatch_times(system, comm, c, params, units if is_fsdp2(system) else 1)
+    zero2 = scatter2 - np.minimum(system.framework.dp_overlap * scatter2, backward)
     scatters, gather = zero_microbatch_times(system, comm, c, params, units)
-    gathers = (2 + np.where(c.recompute == FULL, 1, 0)) * gather
+    gathers = zero3_gathers(system, c) * gather
     zero3 = gathers + scatters - np.minimum(system.framework.zero3_overlap * (gathers + scatters), busy)
-    return np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
+    exposed = np.where(c.zero == 2, zero2, np.where(c.zero == 3, zero3, 0.0))
+    return exposed + fsdp2_microbatch_copies(system, c, params)
 
 
 def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
@@ -69,6 +91,35 @@ def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
     stride = c.strides["dp"]
     scatter = units * comm.reduce_scatter(system.framework.grad_bytes_per_param * params / units, c.dp, stride)
     return scatter, units * comm.all_gather(BF16 * params / units, c.dp, stride)
+
+
+def fsdp2_copy_times(system: System, c: Columns, params):
+    """Seconds of FSDP2's copies through its communication buffers for `params` parameters (0 for
+    DeepSpeed's ZeRO), as element-wise passes at the device's streaming bandwidth:
+    (one weight all-gather: its shard copied in, the gathered buffer copied out to the parameters;
+    one gradient reduce-scatter: the gradients copied into the flat input; adding a reduce-scatter's
+    output to the gradient shard of an earlier micro-batch)."""
+    if not is_fsdp2(system):
+        return 0.0, 0.0, 0.0
+    d, grad = c.dp, system.framework.grad_bytes_per_param
+    device = system.device
+
+    def copy(name, nbytes):
+        return memory_time(device, MemoryOp(name, nbytes))
+    gather = copy("fsdp2_copy_in", 2 * BF16 * params / d) + copy("fsdp2_copy_out", 2 * BF16 * params)
+    return gather, copy("fsdp2_scatter_copy_in", 2 * grad * params), copy("fsdp2_accumulate", 3 * grad * params / d)
+
+
+def fsdp2_microbatch_copies(system: System, c: Columns, params):
+    """FSDP2's buffer copies in one micro-batch (an average one: the gradient shards accumulate
+    from the second micro-batch of the step on): ZeRO-3's gathers, and the reduce-scatter's copy of
+    ZeRO-2 and 3. ZeRO-2's one gather per step is in step_reduction_time."""
+    if not is_fsdp2(system):
+        return 0.0
+    gather, scatter, accumulate = fsdp2_copy_times(system, c, params)
+    m = c.microbatches
+    per_microbatch = scatter + accumulate * (m - 1) / m + np.where(c.zero == 3, zero3_gathers(system, c) * gather, 0.0)
+    return np.where((c.zero >= 2) & (c.dp > 1), per_microbatch, 0.0)
 
 
 def tied_embedding_time(model, system: System, comm, c: Columns):

@@ -118,7 +118,10 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     s, h = model.seq, model.hidden
     fw = system.framework
     params = stage_params(model, c, "last" if last_stage else "first")
+    fsdp2 = (fw.zero_implementation == "fsdp2") & (c.zero >= 2) & (dp > 1)
     weights = BF16 * params / np.where(c.zero >= 3, dp, 1)
+    # FSDP2's ZeRO-2 keeps the shard, the module's parameter, beside the copy gathered for the step
+    weights = weights + np.where(fsdp2 & (c.zero == 2), BF16 * params / dp, 0)
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
@@ -144,8 +147,17 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
     # the bf16 logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
     buffers = buffers + np.where(last, BF16 * s * b * vocab / t, 0)
-    layer_weights = BF16 * sum(counts.layer_params(model).values()) / weight_shard(c.tp_mode, t, c.tp_depth)
-    buffers = buffers + np.where((c.zero >= 3) & (dp > 1), 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
+    shard = weight_shard(c.tp_mode, t, c.tp_depth)
+    layer_weights = BF16 * sum(counts.layer_params(model).values()) / shard
+    zero3 = (c.zero >= 3) & (dp > 1)
+    buffers = buffers + np.where(zero3 & ~fsdp2, 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
+    # FSDP2 at its peak, a module's reduce-scatter: its unsharded gradients and their copy in the flat
+    # input; ZeRO-3 also holds the module gathered and the next one prefetched. The module is the
+    # largest of the stage's: a layer, or the word embedding or head on the stages holding them.
+    word = BF16 * model.padded_vocab(t) * h / shard
+    largest = np.maximum(layer_weights, np.where(first | last, word, 0))
+    grad_copies = 2 * fw.grad_bytes_per_param / BF16 * largest
+    buffers = buffers + np.where(fsdp2, grad_copies + np.where(zero3, largest + layer_weights, 0), 0)
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
     total = weights + grads + optimizer + activations + buffers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
+from perfsim.cost.data_parallel import zero3_gathers
 from perfsim.cost.layer import BF16
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
@@ -54,7 +55,7 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
     """Bytes one device sends per step for data parallelism over `params` parameters, by
     collective kind (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight
     all-gather; ZeRO-2 a reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch
-    two weight all-gathers (three with full recomputation) and a reduce-scatter)."""
+    two weight all-gathers (DeepSpeed: three with full recomputation) and a reduce-scatter)."""
     d = plan.dp
     if d == 1:
         return {}
@@ -68,7 +69,7 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
         return {tpc.REDUCE_SCATTER: rs, tpc.ALL_GATHER: ag}
     if plan.zero == 2:
         return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: ag}
-    return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: (3 if plan.recompute == "full" else 2) * m * ag}
+    return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: float(zero3_gathers(system, columns_of(plan))) * m * ag}
 
 
 def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:

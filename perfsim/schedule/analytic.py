@@ -18,7 +18,7 @@ import numpy as np
 
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
-from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time
+from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -47,7 +47,9 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     comm = CommModel(system)
     params = np.maximum(stages.params_first, stages.params_last)
-    reduction, gather = step_reduction_time(system, comm, c, params)
+    use_last = stages.params_last > stages.params_first
+    units = np.where(use_last, zero3_units(model, c, "last"), zero3_units(model, c, "first"))
+    reduction, gather = step_reduction_time(system, comm, c, params, units)
     hidden = np.minimum(system.framework.dp_overlap * reduction, backward)
     breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden + gather
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost.columns import Columns, columns_of
-from perfsim.cost.data_parallel import (optimizer_time, step_reduction_time, tied_embedding_time,
-                                        zero3_units, zero_microbatch_times)
+from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
+                                        tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
 from perfsim.cost.topology import TopologyCommModel, nic_of
@@ -76,10 +76,11 @@ class StepCosts:
     scatter_rest: dict = field(default_factory=dict)       # ZeRO-2, per chunk and micro-batch
     scatter_bucket: dict = field(default_factory=dict)     # ZeRO-2/3, one bucket of it
     gather: dict = field(default_factory=dict)             # ZeRO-3, one chunk's weights
-    # ZeRO-3's share that cannot hide (1 - framework.zero3_overlap), blocking the compute stream
-    # at the start of each forward / backward pass of a chunk (gathers, and the backward's scatter)
-    zero3_block_f: dict = field(default_factory=dict)
-    zero3_block_b: dict = field(default_factory=dict)
+    # What blocks the compute stream at the start of each forward / backward pass of a chunk:
+    # ZeRO-3's share that cannot hide (1 - framework.zero3_overlap: gathers, the backward's
+    # scatter), and FSDP2's buffer copies (ZeRO-2/3)
+    zero_block_f: dict = field(default_factory=dict)
+    zero_block_b: dict = field(default_factory=dict)
     post_gather: dict = field(default_factory=dict)        # ZeRO-1/2 weights after the step
     optimizer: dict = field(default_factory=dict)
     tied_s: float = 0.0
@@ -140,25 +141,31 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731
         chunk = {k: params[k] / v for k in POSITIONS}
+        units = {k: zero3_units(model, c, k) / v for k in POSITIONS}  # modules of one chunk
         if zero <= 1:
             costs.reduction_rest = per(lambda k: reduction(params[k] * (1 - o))[0] if o < 1 else 0.0)
             costs.reduction_bucket = per(lambda k: reduction(chunk[k] * o / layers_per_chunk)[0] if o > 0 else 0.0)
-        scatter = lambda n: zero_microbatch_times(system, comm, c, n)[0]  # noqa: E731
+        scatter = lambda n, calls=1: zero_microbatch_times(system, comm, c, n, calls)[0]  # noqa: E731
         if zero == 2:
-            costs.scatter_rest = per(lambda k: scatter(chunk[k] * (1 - o)) if o < 1 else 0.0)
+            calls = units if is_fsdp2(system) else {k: 1 for k in POSITIONS}
+            costs.scatter_rest = per(lambda k: scatter(chunk[k] * (1 - o), calls[k]) if o < 1 else 0.0)
             costs.scatter_bucket = per(lambda k: scatter(chunk[k] * o / layers_per_chunk) if o > 0 else 0.0)
         if zero == 3:
             o3 = float(system.framework.zero3_overlap)
-            units = {k: zero3_units(model, c, k) / v for k in POSITIONS}  # modules of one chunk
             gather = per(lambda k: zero_microbatch_times(system, comm, c, chunk[k], units[k])[1])
             costs.scatter_bucket = per(lambda k: o3 * scatter(chunk[k] / layers_per_chunk))
             costs.gather = {k: o3 * g for k, g in gather.items()}
-            backward_gathers = 2 if int(c.recompute) == 2 else 1
-            costs.zero3_block_f = {k: (1 - o3) * g for k, g in gather.items()}
-            costs.zero3_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + zero_microbatch_times(
-                system, comm, c, chunk[k], units[k])[0]))
+            backward_gathers = int(zero3_gathers(system, c)) - 1
+            costs.zero_block_f = {k: (1 - o3) * g for k, g in gather.items()}
+            costs.zero_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + scatter(chunk[k], units[k])))
+        if zero >= 2 and is_fsdp2(system):  # FSDP2's buffer copies, on the compute stream
+            copies = {k: [f(x) for x in fsdp2_copy_times(system, c, chunk[k])] for k in POSITIONS}
+            gathers_f, gathers_b = (1, int(zero3_gathers(system, c)) - 1) if zero == 3 else (0, 0)
+            for k, (g, sc, acc) in copies.items():
+                costs.zero_block_f[k] = costs.zero_block_f.get(k, 0.0) + gathers_f * g
+                costs.zero_block_b[k] = costs.zero_block_b.get(k, 0.0) + gathers_b * g + sc + acc * (m - 1) / m
         if zero in (1, 2):
-            costs.post_gather = per(lambda k: reduction(params[k])[1])
+            costs.post_gather = per(lambda k: step_reduction_time(system, comm, c, params[k], units[k] * v)[1])
     _place(costs, system, c)
     return costs
 
@@ -252,9 +259,9 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         wg = min(part(k.weight_grad, chunk), part(k.backward_compute, chunk)) if zb else 0.0
         tp_f, tp_b = part(k.forward_tp, chunk), part(k.backward_tp, chunk)
         pos = _position(i, p)
-        parts = {F: [(DP, k.zero3_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
+        parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
                      (TP, 0.0 if split else tp_f)],
-                 B: [(DP, k.zero3_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
+                 B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
                      (COMPUTE, part(k.backward_compute, chunk) - wg), (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():

@@ -74,6 +74,7 @@ class Network:
 
 # Collective algorithms a profile may fix (collectives.algorithm); "auto" takes the fastest per call.
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+ZERO_IMPLEMENTATIONS = ("deepspeed", "fsdp2")
 # Operations the optional per-operation tables may name (collectives.operation_efficiency.<op>,
 # collectives.operation_latency_factor.<op>, collectives.operation_step_overhead_s.<op>); "send" is
 # the point-to-point hop of a pipeline.
@@ -132,6 +133,10 @@ class Framework:
     # torch.distributed.tensor.parallel (docs/equations.md 8.1). 0: Megatron-LM's hand-written layers.
     tp_layer_overhead_s: float = 0.0
     sp_layer_overhead_s: float = 0.0
+    # Optional: whose ZeRO-2/3 the step runs (docs/equations.md 6.2). "deepspeed": gradients
+    # reduce-scattered in buckets, weights kept whole beside the shards in ZeRO-2. "fsdp2": torch's
+    # fully_shard, one call per module, with its buffer copies and memory (as validate/ runs it).
+    zero_implementation: str = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
-_CHOICES = {"collectives": {"algorithm": ALGORITHMS}}
+_CHOICES = {"collectives": {"algorithm": ALGORITHMS}, "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS}}
 _TOPOLOGIES = ("fat-tree",)
 
 
