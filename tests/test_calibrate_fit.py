@@ -93,6 +93,7 @@ def test_fit_finds_the_profile_back_and_predicts_held_out_points(tmp_path):
     assert "synthetic.jsonl" in system.provenance["device.gemm_efficiency"][1]
     assert system.provenance["device.peak_flops_fp32"] == base.provenance["device.peak_flops_fp32"]
     assert system.device.gemm_efficiency == pytest.approx(v["device.gemm_efficiency"], rel=1e-5)
+    assert system.framework.zero_implementation == base.framework.zero_implementation == "fsdp2"  # a plain string kept
     assert text.startswith("# Calibrated by `perfsim calibrate`")
 
 

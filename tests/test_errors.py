@@ -186,6 +186,10 @@ PROFILE_CASES = [
     ("unknown-topology", lambda d: d["network"].__setitem__("topology", "torus"), "topology"),
     ("cards-not-dividing-node", _set("node", "devices_per_card", "value", 3), "devices_per_card"),
     ("name-not-string", _top("name", 5), "name"),
+    ("unknown-zero-implementation", lambda d: d["framework"].__setitem__("zero_implementation", "megatron"),
+     "framework.zero_implementation"),
+    ("zero-implementation-as-table", lambda d: d["framework"].__setitem__(
+        "zero_implementation", {"value": "fsdp2", "provenance": "assumed", "source": "x"}), "plain string"),
 ]
 
 
