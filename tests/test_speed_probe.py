@@ -34,16 +34,37 @@ def test_the_probe_is_the_models_fc1_at_the_plans_micro_batch_priced_by_the_prof
     assert speed_probe.expected_probe_s(system, "bf16", g) == float(gemm_time(system.device, peak_flops(system, "bf16"), g))
 
 
+def test_the_norm_probe_is_the_models_layernorm_priced_as_the_calibration_records_it():
+    from perfsim.cost.layer import KIND_TRAFFIC, MemoryOp, memory_time
+
+    model = load_model("gpt3-350m")
+    rows, cols = speed_probe.probe_norm(model, Plan(tp=2, mbs=3))
+    assert (rows, cols) == (3 * model.seq, model.hidden)  # tp = 1 whatever the plan
+    system = load_system("cpu-calibrated")
+    passes, extra = KIND_TRAFFIC["layernorm"]
+    by_hand = float(memory_time(system.device, MemoryOp("layernorm", (2 * passes + extra) * rows * cols, "layernorm")))
+    assert speed_probe.expected_norm_probe_s(system, "bf16", (rows, cols)) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_a_step_is_at_speed_only_by_every_probe():
+    assert speed_probe.all_at_speed([1.0, 1.1], [1.0, 1.0], 0.15)
+    assert not speed_probe.all_at_speed([1.0, 1.3], [1.0, 1.0], 0.15)
+    assert speed_probe.all_at_speed([1.0, 9.0], [1.0, None], 0.15)  # a probe without a prediction lets it pass
+
+
 def test_rounds_merge_the_speed_flags_and_older_records_count_every_step():
     new = {"step_times_s": [1.0, 9.0], "at_speed": [True, False], "probe_s": [0.1, 0.5], "probe_expected_s": 0.1,
-           "step_time_s": 1.0, "peak_memory_bytes": 1.0}
+           "norm_probe_s": [0.02, 0.04], "norm_probe_expected_s": 0.02, "step_time_s": 1.0, "peak_memory_bytes": 1.0}
     old = {"step_times_s": [3.0], "step_time_s": 3.0, "peak_memory_bytes": 2.0}  # before the probe
     merged = timing.merge_rounds([new, old])
     assert merged["at_speed"] == [True, False, True] and merged["step_time_s"] == 2.0
     speed = timing.machine_speed(merged)
     assert speed["steps"] == 3 and speed["steps_at_speed"] == 2 and speed["step_time_all_steps_s"] == 3.0
     assert speed["probe_over_profile"] == pytest.approx(3.0)  # median of 0.1 and 0.5 over 0.1
+    assert speed["norm_probe_over_profile"] == pytest.approx(1.5)
+    assert merged["norm_probe_s"] == [0.02, 0.04, None]
     assert timing.machine_speed(old)["probe_over_profile"] is None
+    assert timing.machine_speed(old)["norm_probe_over_profile"] is None
 
 
 def test_the_command_line_default_is_the_probes():

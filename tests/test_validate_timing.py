@@ -122,15 +122,19 @@ def test_resume_reads_the_ledger_instead_of_running(first_run):
 
 
 @pytest.mark.multiprocess
-def test_steps_off_the_profiles_speed_are_retaken_up_to_a_limit_then_all_count():
-    """A probe time no machine meets: the ranks take MAX_STEPS_FACTOR x steps, none at speed, and
-    the step time is the median of them all; every rank stopped at the same step (the run ends)."""
+@pytest.mark.parametrize("probe", ["gemm", "norm"])
+def test_steps_off_the_profiles_speed_are_retaken_up_to_a_limit_then_all_count(probe):
+    """A probe time no machine meets, the GEMM's or the LayerNorm's: the ranks take MAX_STEPS_FACTOR
+    x steps, none at speed, and the step time is the median of them all; every rank stopped at the
+    same step (the run ends)."""
     from validate.speed_probe import MAX_STEPS_FACTOR
 
     plan = timing.parse_plans(PLANS)[0]
-    got = timing.measure_plan(plan, MODEL, "cpu", 2, "bf16", 2, 1, 60, 1, probe_expected_s=1e-12)
-    assert len(got["step_times_s"]) == len(got["probe_s"]) == MAX_STEPS_FACTOR * 2
-    assert got["at_speed"] == [False] * (MAX_STEPS_FACTOR * 2) and got["probe_expected_s"] == 1e-12
+    expected = {f"{'probe' if probe == 'gemm' else 'norm_probe'}_expected_s": 1e-12}
+    got = timing.measure_plan(plan, MODEL, "cpu", 2, "bf16", 2, 1, 60, 1, **expected)
+    assert len(got["step_times_s"]) == len(got["probe_s"]) == len(got["norm_probe_s"]) == MAX_STEPS_FACTOR * 2
+    assert got["at_speed"] == [False] * (MAX_STEPS_FACTOR * 2)
+    assert {k: got[k] for k in expected} == expected
     assert got["step_time_s"] == statistics.median(got["step_times_s"])
 
 

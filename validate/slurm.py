@@ -130,7 +130,7 @@ class ValidationJob(BatchJob):
     """A training-step validation on `nodes` x 8 tiles: every plan (perfsim Plan dicts) measured by
     `python -m validate.steps`, then compared by `perfsim validate --device xpu`."""
     plans: tuple  # of Plan.as_dict() dicts
-    probes: tuple  # per plan, seconds the profile predicts for its speed probe (validate.speed_probe)
+    probes: tuple  # per plan, (GEMM, LayerNorm) seconds the profile predicts for its speed probes (validate.speed_probe)
     model: str
     system: str
     dtype: str = "bf16"
@@ -175,21 +175,24 @@ def validation_script(job: ValidationJob) -> str:
         "",
         "# One launch per plan; rank 0 writes the plan's result, which is then added to the ledger",
         "# with perfsim's prediction (as `perfsim validate --device` does when it launches locally).",
-        "# The third argument is the seconds the profile predicts for the plan's speed probe: steps",
-        "# taken while a tile ran off that speed are taken again (validate/speed_probe.py).",
+        "# The third and fourth arguments are the seconds the profile predicts for the plan's speed",
+        "# probes (a GEMM, a LayerNorm): steps taken while a tile ran off that speed are taken again",
+        "# (validate/speed_probe.py).",
         "run_plan() {",
-        '    local i=$1 plan=$2 probe=$3 result="$RESULTS/plan-$1.json"',
+        '    local i=$1 plan=$2 probe=$3 norm=$4 result="$RESULTS/plan-$1.json"',
         '    MASTER_PORT=$(( PORT0 + i )); export MASTER_PORT',
         '    if [ ! -s "$result" ]; then',
         f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
-        f'--device xpu {_command(common)} --timeout {job.timeout} --probe-expected "$probe"',
+        f'--device xpu {_command(common)} --timeout {job.timeout} --probe-expected "$probe" '
+        '--norm-probe-expected "$norm"',
         "    fi",
         f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --system '
         f'{shlex.quote(job.system)} {_command(common)} --ledger {shlex.quote(job.ledger)}',
         "}",
     ]
-    for i, (plan, probe) in enumerate(zip(job.plans, job.probes)):
-        lines.append(f"run_plan {i} {shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))} {probe:.6g}")
+    for i, (plan, (probe, norm)) in enumerate(zip(job.plans, job.probes)):
+        lines.append(f"run_plan {i} {shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))} "
+                     f"{probe:.6g} {norm:.6g}")
     compare = ("python", "-m", "perfsim.cli", "validate", "--device", "xpu", "--nproc", str(job.world),
                "--system", job.system, "--plans", plans_argument(job.plans)) + common + (
                "--ledger", job.ledger, "--json")

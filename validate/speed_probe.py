@@ -1,18 +1,23 @@
-"""The machine-speed probe of `perfsim validate --device`: one GEMM timed before every timed
+"""The machine-speed probe of `perfsim validate --device`: two kernels timed before every timed
 training step, so that a step is compared with perfsim only when the machine ran at the speed its
 profile describes (docs/real-steps-timing.md, "Machine speed").
 
 On a shared machine the same kernel can take 1.6 times as long for minutes (the project's VM,
 other tenants' load; on a cluster, a node running hot or a noisy neighbour on its cores). A step
-measured then tests the machine's state, not the model. Before each timed step every rank times
-the probe, the model's FC1 GEMM at the plan's micro-batch and tp = 1 (`[mbs x seq, hidden] x
-[hidden, ffn]` in the step's dtype, operands rotated through memory as the calibration times
-GEMMs, validate.microbench), and the slowest rank's median counts. A step is *at speed* when that
-probe took at most `1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts
-for it (perfsim.cost.layer.gemm_time); the plan's step time is the median of the steps at speed,
-and the ranks keep stepping, up to MAX_STEPS_FACTOR x the steps asked for, until that many are.
+measured then tests the machine's state, not the model. Before each timed step every rank times:
+- the model's FC1 GEMM at the plan's micro-batch and tp = 1 (`[mbs x seq, hidden] x [hidden, ffn]`
+  in the step's dtype, operands rotated through memory as the calibration times GEMMs,
+  validate.microbench), priced by perfsim.cost.layer.gemm_time;
+- the model's LayerNorm over the same `[mbs x seq, hidden]` activation, looped so that one sample
+  lasts about NORM_SAMPLE_S, priced by perfsim.cost.layer.memory_time with the profile's
+  layernorm efficiency. The element-wise kernels can slow down while the GEMMs do not: on the
+  project's VM they once ran 1.3-1.8 times slower for an hour while the GEMM probe saw 7%.
+The slowest rank's median of each counts. A step is *at speed* when each probe took at most
+`1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts for it; the
+plan's step time is the median of the steps at speed, and the ranks keep stepping, up to
+MAX_STEPS_FACTOR x the steps asked for, until that many are.
 
-This side (the command's) imports no torch; `make_probe` runs on the ranks.
+This side (the command's) imports no torch; `make_probe` and `make_norm_probe` run on the ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 PROBE_CALLS = 5  # calls per probe, their median counts (a few ms each on one CPU core)
 MAX_STEPS_FACTOR = 3  # timed steps at most, as a multiple of the steps asked for
 DEFAULT_TOLERANCE = 0.15  # the probe's spread on a quiet VM is about 5%, the profile's GEMM fit about 9%
+NORM_SAMPLE_S = 1e-3  # the LayerNorm probe loops its kernel this long per sample (timer and launch noise)
 
 
 def probe_gemm(model, plan):
@@ -39,6 +45,23 @@ def expected_probe_s(system, dtype: str, gemm) -> float:
     return float(gemm_time(system.device, peak_flops(system, dtype), gemm))
 
 
+def probe_norm(model, plan) -> tuple:
+    """(rows, cols) of the LayerNorm probe: the model's activation at the plan's micro-batch, tp = 1."""
+    return plan.mbs * model.seq, model.hidden
+
+
+def expected_norm_probe_s(system, dtype: str, norm: tuple) -> float:
+    """What the profile says one call of the LayerNorm probe takes (the bytes as the calibration
+    records a layernorm point, validate.microbench.compute_counts)."""
+    from perfsim.cost.layer import measured_memory_op, memory_time
+    from validate.microbench import Point, _shape, compute_counts
+
+    rows, cols = norm
+    point = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
+    op, backward = measured_memory_op("layernorm", compute_counts(point)["nbytes"])
+    return float(memory_time(system.device, op, backward))
+
+
 def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool:
     """Whether a step whose probe took `probe_s` ran at the profile's speed (always, without an
     expected time)."""
@@ -46,6 +69,11 @@ def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool
         return True
     ratio = probe_s / expected_s
     return 1 / (1 + tolerance) <= ratio <= 1 + tolerance
+
+
+def all_at_speed(probes: list, expected: list, tolerance: float) -> bool:
+    """Whether a step ran at the profile's speed by every probe (`probes` and `expected` paired)."""
+    return all(at_speed(p, e, tolerance) for p, e in zip(probes, expected))
 
 
 def step_time(times: list, speed_flags: list) -> float:
@@ -69,5 +97,30 @@ def make_probe(torch, device, gemm, dtype: str):
             timer.start()
             call()
             times.append(timer.stop())
+        return statistics.median(times)
+    return probe
+
+
+def make_norm_probe(torch, device, norm: tuple, dtype: str, expected_s: float):
+    """On a rank: a no-argument function that times the LayerNorm probe and returns the median
+    seconds of one call (each sample loops the kernel for about NORM_SAMPLE_S, as the profile
+    expects it to take)."""
+    import math
+
+    from validate.microbench import Point, _shape, make_compute
+
+    rows, cols = norm
+    call = make_compute(torch, device, Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols)))
+    loops = max(1, min(1000, math.ceil(NORM_SAMPLE_S / expected_s)))
+    timer = device.timer()
+    call()
+
+    def probe() -> float:
+        times = []
+        for _ in range(PROBE_CALLS):
+            timer.start()
+            for _ in range(loops):
+                call()
+            times.append(timer.stop() / loops)
         return statistics.median(times)
     return probe

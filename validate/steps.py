@@ -146,9 +146,10 @@ def _inject_fault(rank: int, world: int) -> None:
 
 def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
             threads: int | None = None, probe_expected_s: float | None = None,
-            speed_tolerance: float = DEFAULT_TOLERANCE) -> dict:
+            speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None) -> dict:
     """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks).
-    `probe_expected_s` is what the profile says the speed probe takes (None: every step counts)."""
+    `probe_expected_s` and `norm_probe_expected_s` are what the profile says the speed probes take,
+    the GEMM and the LayerNorm (None: that probe lets every step count)."""
     import datetime
 
     import torch
@@ -157,7 +158,8 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     from validate.campaign import rank_environment
     from validate.device import Device, distributed_backend
     from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
-    from validate.speed_probe import MAX_STEPS_FACTOR, at_speed, make_probe, probe_gemm, step_time
+    from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe, probe_gemm,
+                                      probe_norm, step_time)
 
     ranks = rank_environment()
     dev = Device(device_kind, ranks.local_rank, threads)
@@ -196,14 +198,17 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran. Every rank
     # takes the job-wide (slowest rank's) step and probe times, so all decide alike.
     probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
-    times, probes, speed_flags = [], [], []
+    norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s or 1e-4)
+    times, probes, norm_probes, speed_flags = [], [], [], []
     while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps:
         dist.barrier()
-        probe_s = probe()
-        elapsed, probe_s = job([timed_step(), probe_s], dist.ReduceOp.MAX)
+        probe_s, norm_s = probe(), norm_probe()
+        elapsed, probe_s, norm_s = job([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
         times.append(elapsed)
         probes.append(probe_s)
-        speed_flags.append(at_speed(probe_s, probe_expected_s, speed_tolerance))
+        norm_probes.append(norm_s)
+        speed_flags.append(all_at_speed([probe_s, norm_s], [probe_expected_s, norm_probe_expected_s],
+                                        speed_tolerance))
     peak = allocated.bytes
 
     flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
@@ -217,6 +222,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
         "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
         "step_times_s": times, "step_time_s": step_time(times, speed_flags),
         "probe_s": probes, "probe_expected_s": probe_expected_s, "at_speed": speed_flags,
+        "norm_probe_s": norm_probes, "norm_probe_expected_s": norm_probe_expected_s,
         "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),
@@ -242,16 +248,19 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--probe-expected", dest="probe_expected", type=float, default=None,
-                   help="seconds the profile predicts for the speed probe (validate.speed_probe); without it every step counts")
+                   help="seconds the profile predicts for the GEMM speed probe (validate.speed_probe); without it every step counts")
+    p.add_argument("--norm-probe-expected", dest="norm_probe_expected", type=float, default=None,
+                   help="seconds the profile predicts for one call of the LayerNorm speed probe; without it that probe lets every step count")
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=float, default=DEFAULT_TOLERANCE)
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1")
-    if not args.speed_tolerance > 0 or (args.probe_expected is not None and not args.probe_expected > 0):
-        p.error("--speed-tolerance and --probe-expected must be positive")
+    if not args.speed_tolerance > 0 or any(v is not None and not v > 0 for v in (args.probe_expected,
+                                                                               args.norm_probe_expected)):
+        p.error("--speed-tolerance, --probe-expected and --norm-probe-expected must be positive")
     plan = Plan(**json.loads(args.plan))
     result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
-                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance)
+                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance, args.norm_probe_expected)
     if result.pop("rank") == 0:
         tmp = args.out + ".part"
         with open(tmp, "w") as fh:

@@ -123,7 +123,9 @@ def merge_rounds(measured: list) -> dict:
     times = [t for m in measured for t in m["step_times_s"]]
     flags = [f for m in measured for f in speed_flags(m)]
     probes = [p for m in measured for p in m.get("probe_s") or [None] * len(m["step_times_s"])]
-    return dict(measured[0], step_times_s=times, at_speed=flags, probe_s=probes, step_time_s=step_time(times, flags),
+    norms = [p for m in measured for p in m.get("norm_probe_s") or [None] * len(m["step_times_s"])]
+    return dict(measured[0], step_times_s=times, at_speed=flags, probe_s=probes, norm_probe_s=norms,
+                step_time_s=step_time(times, flags),
                 rounds=len(measured), peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
 
 
@@ -154,7 +156,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
 
 def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
                  timeout_s: float, threads, probe_expected_s: float | None = None,
-                 speed_tolerance: float = DEFAULT_TOLERANCE) -> dict:
+                 speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
     from validate.campaign import launch_ranks
 
@@ -164,7 +166,8 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
                 "--device", device, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
                 "--timeout", str(timeout_s), "--speed-tolerance", repr(speed_tolerance)] \
             + (["--threads", str(threads)] if threads else []) \
-            + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else [])
+            + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else []) \
+            + (["--norm-probe-expected", repr(norm_probe_expected_s)] if norm_probe_expected_s else [])
         launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
                      resume="the ledger keeps the plans already measured; run the same command again to resume")
         with open(out) as fh:
@@ -212,14 +215,18 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
 
 
 def machine_speed(measured: dict) -> dict:
-    """What the speed probe saw over a plan's timed steps: how many ran at the profile's speed, the
-    median over all steps of the step time and of the probe's time over the profile's (None
-    before the probe existed)."""
-    flags, probes = speed_flags(measured), [p for p in measured.get("probe_s") or [] if p is not None]
-    expected = measured.get("probe_expected_s")
+    """What the speed probes saw over a plan's timed steps: how many ran at the profile's speed, the
+    median over all steps of the step time and of each probe's time over the profile's (None
+    before that probe existed)."""
+    def over_profile(times, expected):
+        times = [p for p in measured.get(times) or [] if p is not None]
+        expected = measured.get(expected)
+        return statistics.median(times) / expected if times and expected else None
+    flags = speed_flags(measured)
     return {"steps": len(flags), "steps_at_speed": sum(flags),
             "step_time_all_steps_s": statistics.median(measured["step_times_s"]),
-            "probe_over_profile": statistics.median(probes) / expected if probes and expected else None}
+            "probe_over_profile": over_profile("probe_s", "probe_expected_s"),
+            "norm_probe_over_profile": over_profile("norm_probe_s", "norm_probe_expected_s")}
 
 
 def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup: int, measured: dict,
@@ -243,7 +250,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
     from validate.ledger import Ledger
-    from validate.speed_probe import expected_probe_s, probe_gemm
+    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     model = load_model(model_spec)
@@ -264,8 +271,9 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                     got, source = earlier[key]["measured"], "from the ledger"
                 else:
                     probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
+                    norm = expected_norm_probe_s(system, dtype, probe_norm(model, plan))
                     got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
-                                       probe, speed_tolerance)
+                                       probe, speed_tolerance, norm)
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
                     source = "measured"
                 measured[i].append(got)
@@ -320,6 +328,6 @@ def format_table(results: list) -> str:
                  f"{fmt(s['peak_memory_bytes'])}, FLOPs {fmt(s['flops'])}, bytes sent {fmt(s['comm_bytes'])}, "
                  f"saved activations {fmt(s['activation_bytes'])} (full recomputation left out: the hooks do not "
                  "see inside torch's checkpoint)")
-    lines.append("speed: timed steps whose GEMM probe ran within the tolerance of the profile's prediction "
+    lines.append("speed: timed steps whose GEMM and LayerNorm probes ran within the tolerance of the profile's prediction "
                  "(only those make a plan's step time, if any did)")
     return "\n".join(lines)
