@@ -1,6 +1,6 @@
 """Shared helpers and published reference data for the perfsim test suite.
 
-Everything here is written from the papers (shared/reference/published.md), not from perfsim's
+The reference data is written from the papers (shared/reference/published.md), not from perfsim's
 own code, so that tests compare perfsim against an independent derivation.
 """
 
@@ -56,3 +56,16 @@ def run_cli(capsys):
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+def run_rank_check(tmp_path_factory, module: str, world: int, *args: str) -> dict:
+    """Run `python -m MODULE OUT ARGS...` as `world` gloo ranks of one thread each
+    (validate.campaign.launch_ranks) and return what rank 0 wrote, checked to come from `world` ranks."""
+    from validate.campaign import launch_ranks
+
+    out = tmp_path_factory.mktemp(module.rsplit(".", 1)[-1]) / f"world{world}.json"
+    launch_ranks(["-W", "ignore::FutureWarning", "-m", module, str(out), *args], world, threads=1,
+                 what=f"{module} check", resume="see the rank's error above")
+    data = json.loads(out.read_text())
+    assert data["world"] == world
+    return data

@@ -6,13 +6,12 @@ activation bytes saved for backward equal perfsim's numbers for the plan
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.importorskip("torch")
 
-from validate.campaign import launch_ranks  # noqa: E402
+from conftest import run_rank_check  # noqa: E402
 from validate.tp_check import BF16_CASES, CASES, case_name  # noqa: E402
 
 # Loss: same reduction order up to the vocabulary split; gradients: fp32 sums reordered by the
@@ -35,11 +34,7 @@ NAMES = [case_name(sp, rc) for sp, rc in CASES] + [case_name(sp, rc, True) for s
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
 def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / f"world{request.param}.json"
-    launch_ranks(["-m", "validate.tp_check", str(out), "--model", MODEL, "--mbs", "2"], request.param,
-                 threads=1, what="tp check", resume="see the rank's error above")
-    data = json.loads(out.read_text())
-    assert data["world"] == request.param
+    data = run_rank_check(tmp_path_factory, "validate.tp_check", request.param, "--model", MODEL, "--mbs", "2")
     assert [c["case"] for c in data["cases"]] == NAMES
     return data
 

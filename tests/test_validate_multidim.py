@@ -7,13 +7,12 @@ the numbers and what perfsim leaves out)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.importorskip("torch")
 
-from validate.campaign import launch_ranks  # noqa: E402
+from conftest import run_rank_check  # noqa: E402
 from validate.multidim_check import case_names  # noqa: E402
 
 # Loss: same sums in another order (vocabulary split, LayerNorm statistics as sum and sum of
@@ -26,11 +25,7 @@ SAVED_RTOL = 0.05  # what saved_tensors_hooks sees against layout_activation_byt
 
 @pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"world{n}")
 def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("multidim") / f"world{request.param}.json"
-    launch_ranks(["-W", "ignore::FutureWarning", "-m", "validate.multidim_check", str(out)], request.param,
-                 threads=1, what="multidim check", resume="see the rank's error above")
-    data = json.loads(out.read_text())
-    assert data["world"] == request.param
+    data = run_rank_check(tmp_path_factory, "validate.multidim_check", request.param)
     assert [c["case"] for c in data["cases"]] == case_names(request.param)
     return data
 

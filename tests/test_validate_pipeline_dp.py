@@ -6,14 +6,13 @@ conventions and the observed numbers)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 pytest.importorskip("torch")
 
-from validate.campaign import launch_ranks  # noqa: E402
+from conftest import run_rank_check  # noqa: E402
 from validate.pp_dp_check import CASES  # noqa: E402
 
 # Loss: the pipeline computes exactly the reference's operations (measured 2e-7 relative: the
@@ -27,11 +26,7 @@ ACTIVATION_RTOL = 0.05
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
 def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppdp") / f"world{request.param}.json"
-    launch_ranks(["-m", "validate.pp_dp_check", str(out)], request.param, threads=1, what="pipeline/dp check",
-                 resume="see the rank's error above")
-    data = json.loads(out.read_text())
-    assert data["world"] == request.param
+    data = run_rank_check(tmp_path_factory, "validate.pp_dp_check", request.param)
     assert [c["case"] for c in data["cases"]] == CASES[request.param]
     return data
 

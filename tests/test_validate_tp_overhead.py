@@ -4,13 +4,12 @@ is DTensor's alone), and the timing record has what the calibration fit reads.""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.importorskip("torch")
 
-from validate.campaign import launch_ranks  # noqa: E402
+from conftest import run_rank_check  # noqa: E402
 from validate.tp_overhead import LAYOUTS, overhead  # noqa: E402
 
 # fp32, one layer of hidden 64: the two differ only in the order partial sums are added
@@ -19,10 +18,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_overhead") / "world2.json"
-    launch_ranks(["-W", "ignore::FutureWarning", "-m", "validate.tp_overhead", str(out)], 2, threads=1,
-                 what="tp_overhead check", resume="see the rank's error above")
-    return json.loads(out.read_text())
+    return run_rank_check(tmp_path_factory, "validate.tp_overhead", 2)
 
 
 @pytest.mark.multiprocess

@@ -4,22 +4,18 @@ backward under ZeRO-3, a reduce-scatter), so that the time difference is FSDP2's
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.importorskip("torch")
 
-from validate.campaign import launch_ranks  # noqa: E402
+from conftest import run_rank_check  # noqa: E402
 from validate.zero_overhead import LAYOUTS, MODULES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero_overhead") / "world2.json"
-    launch_ranks(["-W", "ignore::FutureWarning", "-m", "validate.zero_overhead", str(out)], 2, threads=1,
-                 what="zero_overhead check", resume="see the rank's error above")
-    return json.loads(out.read_text())
+    return run_rank_check(tmp_path_factory, "validate.zero_overhead", 2)
 
 
 @pytest.mark.multiprocess
