@@ -47,3 +47,15 @@ def test_the_timing_record_pairs_every_round(results):
 def test_overhead_is_the_median_of_the_rounds_differences():
     times = {"dtensor": ([5.0, 9.0, 6.0], [10.0, 10.0, 30.0]), "megatron": ([4.0, 4.0, 4.0], [8.0, 9.0, 9.0])}
     assert overhead(times) == {"forward_s": 2.0, "backward_s": 2.0}
+
+
+@pytest.mark.multiprocess
+def test_the_checkpoint_diagnostic_pairs_every_round(tmp_path_factory):
+    """`--checkpoint-shape`: the checkpointed DTensor layer against the plain one, each round's
+    extra recorded, the same on every rank."""
+    results = run_rank_check(tmp_path_factory, "validate.tp_overhead", 2, "--cases", "1d", "--repeats", "3",
+                             "--checkpoint-shape", "64,4,16,2")
+    ranks = results["cases"][0]["ranks"]
+    checkpoint = ranks[0]["checkpoint"]
+    assert ranks[1]["checkpoint"] == checkpoint and len(checkpoint["rounds_s"]) == 3
+    assert set(checkpoint) == {"forward_s", "backward_beyond_forward_s", "rounds_s"}

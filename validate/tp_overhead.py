@@ -218,6 +218,28 @@ def measure_point(torch, device, comm, point, repeats: int = REPEATS) -> dict:
             "forward_overhead_s": rec["forward_s"], "backward_overhead_s": rec["backward_s"]}
 
 
+def checkpoint_overhead(torch, device, group, cfg, sp: bool, mbs: int, dtype, repeats: int) -> dict:
+    """What torch's checkpoint adds to the DTensor layer under full recomputation beyond the one
+    forward it recomputes (docs/real-steps-timing.md, "Where the predictions still fall short"):
+    the layer with and without checkpoint, same weights, timed alternately. Per round, the extra
+    of the checkpointed forward, and of its backward beyond the plain backward plus one plain
+    forward (what perfsim prices a recomputation as); medians, and every round's sum."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device.torch_device.type)
+    blocks = {rc: dtensor_block(torch, dataclasses.replace(cfg, recompute=rc), mesh, sp, dtype, device.torch_device)
+              for rc in ("none", "full")}
+    x = local_input(torch, cfg, mbs, group, sp).to(device=device.torch_device, dtype=dtype)
+    times = time_layers(torch, device, blocks, x, repeats)
+    (fn, bn), (ff, bf) = times["none"], times["full"]
+    forward = [b - a for a, b in zip(fn, ff)]
+    backward = [(b2 - b1) - f1 for f1, b1, b2 in zip(fn, bn, bf)]
+    return {"forward_s": statistics.median(forward), "backward_beyond_forward_s": statistics.median(backward),
+            "rounds_s": [a + b for a, b in zip(forward, backward)]}
+
+
 def compare_layers(torch, group, cfg, sp: bool, mbs: int) -> dict:
     """Both layers in fp32 on one input: the largest differences of their outputs, input
     gradients and local weight gradients (the two must compute the same thing for their time
@@ -250,6 +272,8 @@ def main(argv=None) -> int:
 
     parser = check_parser("python -m validate.tp_overhead", "", "comma list of 1d, 1d_sp or all")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpoint-shape", default=None, metavar="HIDDEN,HEADS,SEQ,MBS",
+                        help="also time what torch's checkpoint adds to the DTensor layer at this shape (bf16)")
     args = parser.parse_args(argv)
     with gloo_ranks(args.timeout) as ranks:
         import torch
@@ -265,7 +289,13 @@ def main(argv=None) -> int:
             sp = layout == "1d_sp"
             same = compare_layers(torch, dist.group.WORLD, cfg, sp, 2)
             record = measure_layer(torch, device, dist.group.WORLD, cfg, sp, 2, torch.bfloat16, args.repeats)
-            cases.append({"case": layout, "ranks": every_rank({"same": same, "record": record})})
+            case = {"same": same, "record": record}
+            if args.checkpoint_shape:
+                hidden, heads, seq, mbs = (int(v) for v in args.checkpoint_shape.split(","))
+                case["checkpoint"] = checkpoint_overhead(torch, device, dist.group.WORLD,
+                                                         GPTConfig(1, hidden, heads, seq, 64), sp, mbs,
+                                                         torch.bfloat16, args.repeats)
+            cases.append({"case": layout, "ranks": every_rank(case)})
         write_on_rank0(ranks, args.out, cases=cases)
     return 0
 
