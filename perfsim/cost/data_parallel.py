@@ -35,6 +35,7 @@ from perfsim.spec.system import System
 
 
 def is_fsdp2(system: System) -> bool:
+    """Whether the profile runs ZeRO-2/3 as torch's FSDP2 (section 6.2), not as DeepSpeed."""
     return system.framework.zero_implementation == "fsdp2"
 
 
@@ -61,9 +62,9 @@ def step_reduction_time(system: System, comm, c: Columns, params, units=1):
 
 
 def zero3_units(model, c: Columns, stage: str):
-    """Modules ZeRO-3 gathers and reduces one at a time on a device of a pipeline stage ("first",
-    "middle" or "last"): its layers, and the word embedding and the head (with the final norm) as
-    modules of their own on the stages that hold them."""
+    """Modules ZeRO-3 (and FSDP2's ZeRO-2) gathers and reduces one at a time on a device of a
+    pipeline stage ("first", "middle" or "last"): its layers, and the word embedding and the head
+    (with the final norm) as modules of their own on the stages that hold them."""
     edges = np.where(c.pp == 1, 2, {"first": 1, "middle": 0, "last": 1}[stage])
     return model.layers / c.pp + edges
 
