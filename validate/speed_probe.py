@@ -101,17 +101,17 @@ def make_probe(torch, device, gemm, dtype: str):
     return probe
 
 
-def make_norm_probe(torch, device, norm: tuple, dtype: str, expected_s: float):
+def make_norm_probe(torch, device, norm: tuple, dtype: str, expected_s: float | None):
     """On a rank: a no-argument function that times the LayerNorm probe and returns the median
     seconds of one call (each sample loops the kernel for about NORM_SAMPLE_S, as the profile
-    expects it to take)."""
+    expects it to take; 10 calls without an expected time)."""
     import math
 
     from validate.microbench import Point, _shape, make_compute
 
     rows, cols = norm
     call = make_compute(torch, device, Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols)))
-    loops = max(1, min(1000, math.ceil(NORM_SAMPLE_S / expected_s)))
+    loops = 10 if expected_s is None else max(1, min(1000, math.ceil(NORM_SAMPLE_S / expected_s)))
     timer = device.timer()
     call()
 

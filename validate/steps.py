@@ -198,7 +198,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran. Every rank
     # takes the job-wide (slowest rank's) step and probe times, so all decide alike.
     probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
-    norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s or 1e-4)
+    norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
     times, probes, norm_probes, speed_flags = [], [], [], []
     while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps:
         dist.barrier()
