@@ -137,19 +137,15 @@ def layer_pair(torch, cfg, group, layout: str, dtype, device):
     return sharded, priced_layers(torch, layers, group, regather=layout == "zero3")
 
 
-def layer_input(torch, cfg, mbs: int):
-    return torch.randn(mbs, cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
-
-
 def time_pair(torch, device, group, cfg, layout: str, mbs: int, dtype, repeats: int) -> dict:
     """Both sides timed alternately: their median forward + backward seconds, and FSDP2's extra
     seconds per module and micro-batch (the median of the rounds' differences, and every round's)."""
     import statistics
 
-    from validate.tp_overhead import time_layers
+    from validate.tp_overhead import local_input, time_layers
 
     sharded, priced = layer_pair(torch, cfg, group, layout, dtype, device.torch_device)
-    x = layer_input(torch, cfg, mbs).to(device=device.torch_device, dtype=dtype)
+    x = local_input(torch, cfg, mbs, group, False).to(device=device.torch_device, dtype=dtype)
     times = time_layers(torch, device, {"fsdp2": sharded, "priced": priced}, x, repeats)
     totals = {name: [f + b for f, b in zip(*times[name])] for name in times}
     extra = [(a - b) / MODULES for a, b in zip(totals["fsdp2"], totals["priced"])]
@@ -160,10 +156,12 @@ def time_pair(torch, device, group, cfg, layout: str, mbs: int, dtype, repeats: 
 def compare(torch, group, cfg, layout: str, mbs: int) -> dict:
     """Both sides in fp32 on one input: the largest differences of their outputs and input
     gradients (they must compute the same thing for their time difference to be FSDP2's own)."""
+    from validate.tp_overhead import local_input
+
     sharded, priced = layer_pair(torch, cfg, group, layout, torch.float32, torch.device("cpu"))
     out = {}
     for name, module in (("fsdp2", sharded), ("priced", priced)):
-        x = layer_input(torch, cfg, mbs).requires_grad_()
+        x = local_input(torch, cfg, mbs, group, False).requires_grad_()
         y = module(x)
         y.backward(torch.ones_like(y))
         out[name] = (y.detach(), x.grad)
