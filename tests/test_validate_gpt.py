@@ -177,7 +177,12 @@ def test_cross_entropy_equals_torchs_and_keeps_one_fp32_buffer(dtype):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as torchs:
         theirs.backward()
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6)
-    assert torch.allclose(grad.float(), logits.grad.float(), rtol=0, atol=1e-7 if dtype == "float32" else 1e-9)
+    if dtype == "float32":
+        assert torch.allclose(grad, logits.grad, rtol=0, atol=1e-7)
+    else:
+        # Both round an fp32 gradient to bf16; the fp32 exp differs in its last bits between CPU
+        # kernels (AVX2 vs AVX-512), which can flip a rounding: at most one bf16 step (2^-7 relative).
+        assert torch.allclose(grad.float(), logits.grad.float(), rtol=2**-7, atol=0)
     fp32_size = 4 * 96 * 500
 
     def large(p):
