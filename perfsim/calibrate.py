@@ -44,7 +44,7 @@ import os
 import numpy as np
 
 from perfsim.errors import PerfsimError
-from perfsim.spec._toml import open_input
+from perfsim.files import MAX_LEDGER_BYTES, open_input
 
 LEDGER_SCHEMA = 1
 SUITES = ("gemm", "memory", "attention", "collective", "tp_overhead")
@@ -85,7 +85,7 @@ def read_ledger(path: str, check=None) -> tuple[list, list]:
     text per damaged or unusable line. A missing or unreadable file is a PerfsimError. `check`
     (record -> reason or None) judges a record; default: a calibration measurement."""
     check = check or _record_problem
-    fh = open_input(path, "ledger", ".jsonl file")
+    fh = open_input(path, "ledger", ".jsonl file", MAX_LEDGER_BYTES)
     records, problems = {}, []
     with fh:
         for number, raw in enumerate(fh, 1):

@@ -174,8 +174,9 @@ def main(argv=None) -> int:
     try:
         args = make_parser().parse_args(argv)
         args.run(args)
-    except PerfsimError as exc:
-        print(f"perfsim: error: {exc}", file=sys.stderr)
+    except PerfsimError as exc:  # one line, whatever a quoted path or value holds
+        message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"perfsim: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 
 from perfsim.errors import PerfsimError
-from perfsim.spec._toml import open_input
+from perfsim.files import MAX_LOG_BYTES, open_input
 
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
 ITERATION = re.compile(r"\biteration\s+([0-9]+)\s*/\s*([0-9]+)")
@@ -63,6 +63,6 @@ def parse_lines(lines, where: str = "log") -> LogSummary:
 
 
 def read_log(path: str) -> LogSummary:
-    with open_input(path, "Megatron-DeepSpeed log", "log file") as fh:
+    with open_input(path, "Megatron-DeepSpeed log", "log file", MAX_LOG_BYTES) as fh:
         text = fh.read().decode("utf-8", errors="replace")
     return parse_lines(text.splitlines(), f"Megatron-DeepSpeed log {path}")
