@@ -7,7 +7,7 @@ import os
 from perfsim.spec._toml import read_toml
 from dataclasses import dataclass
 
-from perfsim.errors import PerfsimError
+from perfsim.errors import PerfsimError, did_you_mean
 from perfsim.spec.presets import PRESETS
 
 LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
@@ -69,10 +69,11 @@ _REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 
 def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     """Check raw fields (from a preset, an inline spec or a TOML file) and build the spec."""
-    known = set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name"}
-    unknown = sorted(set(fields) - known)
+    known = sorted(set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name"})
+    unknown = [key for key in fields if key not in known]
     if unknown:
-        raise PerfsimError(f"{where}: unknown model field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        raise PerfsimError(f"{where}: unknown model field {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
+                           f"known: {', '.join(known)}")
     missing = [k for k in _REQUIRED if k not in fields]
     if missing:
         raise PerfsimError(f"{where}: model needs {', '.join(missing)} (e.g. layers=96,hidden=12288,heads=96,seq=2048,vocab=51200)")
@@ -88,6 +89,8 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     for key in _BOOL_FIELDS:
         if key in fields and not isinstance(fields[key], bool):
             raise PerfsimError(f"{where}: model field {key} must be true or false, got {fields[key]!r}")
+    if "name" in fields and not (isinstance(fields["name"], str) and fields["name"].strip()):
+        raise PerfsimError(f"{where}: model field name must be a non-empty string, got {fields['name']!r}")
     if fields.get("norm", "layernorm") not in ("layernorm", "rmsnorm"):
         raise PerfsimError(f"{where}: model field norm must be layernorm or rmsnorm, got {fields['norm']!r}")
     spec = ModelSpec(name=str(fields.get("name", name)), **{k: v for k, v in fields.items() if k != "name"})
@@ -105,6 +108,8 @@ def _parse_inline(text: str) -> dict:
         key, raw = key.strip(), raw.strip()
         if not sep or not key or not raw:
             raise PerfsimError(f"model spec {text!r}: expected key=value pairs separated by commas, got {part.strip()!r}")
+        if key in fields:
+            raise PerfsimError(f"model spec {text!r}: {key} is given twice")
         if raw.lower() in ("true", "false"):
             fields[key] = raw.lower() == "true"
         elif key == "norm" or key == "name":
@@ -123,7 +128,12 @@ def load_model(text: str) -> ModelSpec:
         return build_model(text, dict(PRESETS[text]), f"preset {text}")
     if text.endswith(".toml") or os.path.sep in text:
         data = read_toml(text, "model file")
-        data = data.get("model", data)
+        if "model" in data:  # the fields under [model]; nothing else beside it
+            beside = [key for key in data if key != "model"]
+            if beside:
+                raise PerfsimError(f"model file {text}: unknown key {beside[0]!r} beside [model]; put the model "
+                                   f"fields under [model], or leave [model] out and give them at the top")
+            data = data["model"]
         if not isinstance(data, dict):
             raise PerfsimError(f"model file {text}: [model] must be a table of model fields")
         return build_model(os.path.splitext(os.path.basename(text))[0], data, f"model file {text}")

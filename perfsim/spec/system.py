@@ -7,7 +7,7 @@ import os
 from perfsim.spec._toml import read_toml
 from dataclasses import dataclass, fields
 
-from perfsim.errors import PerfsimError
+from perfsim.errors import PerfsimError, did_you_mean
 
 # hwprofiles/ at the top of the repository, shipped inside the package through the
 # perfsim/hwprofiles link so that a plain `pip install .` finds it too.
@@ -178,11 +178,29 @@ _STRINGS = {"device": ("name",), "network": ("topology",)}
 # dataclass default applies.
 _CHOICES = {"collectives": {"algorithm": ALGORITHMS}, "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS}}
 _TOPOLOGIES = ("fat-tree",)
+_TOP_LEVEL = ("schema", "name", "description")
+_NUMBER_PARTS = ("value", "provenance", "source")
+
+
+def _section_keys(section: str) -> tuple:
+    """Every key [section] may hold, required or optional (anything else is an error)."""
+    tables = tuple(key.split(".")[1] for key in _OPERATION_TABLES if key.startswith(section + "."))
+    return (_STRINGS.get(section, ()) + tuple(_CHOICES.get(section, {})) + tuple(_RULES[section])
+            + tuple(_OPTIONAL.get(section, {})) + tables)
+
+
+def _refuse_unknown(where: str, table: dict, allowed, prefix: str, holds: str) -> None:
+    """A PerfsimError naming the first key of `table` not in `allowed` (with the closest allowed
+    one): a misspelt key would otherwise be ignored, or reported as missing."""
+    for key in table:
+        if key not in allowed:
+            raise PerfsimError(f"{where}: unknown key {prefix}{key}{did_you_mean(key, allowed)}; {holds}")
 
 
 def _number(where: str, key: str, entry, rule) -> float:
     if not isinstance(entry, dict):
         raise PerfsimError(f"{where}: {key} must be a table with value, provenance and source (see docs/profile-format.md)")
+    _refuse_unknown(where, entry, _NUMBER_PARTS, f"{key}.", "a number holds value, provenance and source")
     for part in ("value", "provenance", "source"):
         if part not in entry:
             raise PerfsimError(f"{where}: {key} has no {part}")
@@ -208,9 +226,10 @@ def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
     if not isinstance(raw, dict):
         raise PerfsimError(f"{where}: {key} must be a table of {noun}s "
                            f"({', '.join(names)}), each with value, provenance and source")
-    unknown = sorted(set(raw) - set(names))
+    unknown = [name for name in raw if name not in names]
     if unknown:
-        raise PerfsimError(f"{where}: unknown {noun} {key}.{unknown[0]}; one of {', '.join(names)}")
+        raise PerfsimError(f"{where}: unknown {noun} {key}.{unknown[0]}{did_you_mean(unknown[0], names)}; "
+                           f"one of {', '.join(names)}")
     entries = []
     for name in names:
         if name in raw:
@@ -227,16 +246,24 @@ def operation_names(key: str) -> tuple:
 
 def parse_system(data: dict, where: str, path: str = "") -> System:
     """Build a System from parsed TOML; every problem names `where` and the key."""
-    if data.get("schema") != 1:
-        raise PerfsimError(f"{where}: schema must be 1, got {data.get('schema')!r}")
+    _refuse_unknown(where, data, _TOP_LEVEL + tuple(_RULES), "",
+                    f"a profile holds {', '.join(_TOP_LEVEL)} and the sections "
+                    f"{', '.join(f'[{s}]' for s in _RULES)} (docs/profile-format.md)")
+    schema = data.get("schema")
+    if isinstance(schema, bool) or schema != 1:
+        raise PerfsimError(f"{where}: schema must be 1, got {schema!r}")
     for key in ("name", "description"):
         if not isinstance(data.get(key), str):
             raise PerfsimError(f"{where}: {key} must be a string")
     sections, provenance = {}, {}
     for section, rules in _RULES.items():
         raw = data.get(section)
-        if not isinstance(raw, dict):
+        if raw is None:
             raise PerfsimError(f"{where}: missing section [{section}]")
+        if not isinstance(raw, dict):
+            raise PerfsimError(f"{where}: {section} must be the section [{section}], got {raw!r}")
+        _refuse_unknown(where, raw, _section_keys(section), f"{section}.",
+                        f"docs/profile-format.md lists the keys of [{section}]")
         values = {}
         for key in _STRINGS.get(section, ()):
             if not isinstance(raw.get(key), str):
@@ -263,9 +290,6 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
             if key in raw:
                 values[key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
-        extra = sorted(set(raw) - set(values))
-        if extra:
-            raise PerfsimError(f"{where}: unknown key {section}.{extra[0]}")
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
