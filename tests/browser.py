@@ -17,7 +17,7 @@ import shutil
 import subprocess
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--run-all-compositor-stages-before-draw", "--disable-dev-shm-usage", "--no-first-run",
          "--hide-scrollbars", "--mute-audio", "--disable-extensions", "--allow-file-access-from-files")
 
 HEAD_SCRIPT = """<script>
@@ -74,9 +74,22 @@ TAIL_SCRIPT = r"""<script>
         marks: gd.querySelectorAll('.scatterlayer .point, .scatterlayer path.js-line, .barlayer path, ' +
                                    '.heatmaplayer image, .shapelayer path').length,
         title: title || null, axes: axes, sliders: (layout.sliders || []).length,
-        width: gd.getBoundingClientRect().width, height: gd.getBoundingClientRect().height
+        width: gd.getBoundingClientRect().width, height: gd.getBoundingClientRect().height,
+        boxes: boxes(gd)
       });
     });
+  }
+  function box(el) {
+    var r = el.getBoundingClientRect();
+    return {text: text(el), left: r.left, right: r.right, top: r.top + window.scrollY, bottom: r.bottom + window.scrollY};
+  }
+  function boxes(gd) {
+    // Where the plot, its title, its axis titles and its x tick labels are drawn (page coordinates):
+    // a title cut off by the plot's edge or drawn over another shows here.
+    var all = function (sel) { return Array.prototype.map.call(gd.querySelectorAll(sel), box); };
+    return {plot: box(gd), title: all('.g-gtitle text')[0] || null,
+            axisTitles: all('.g-xtitle text, .g-ytitle text, [class^="g-x"][class$="title"] text, [class^="g-y"][class$="title"] text'),
+            xticks: all('.xtick text, .x2tick text')};
   }
   function annotationTexts(gd) {
     return Array.prototype.map.call(gd.querySelectorAll('.annotation-text'), text).join(' | ');

@@ -40,6 +40,10 @@ def pages(tmp_path_factory):
     out = folder / "report.html"
     assert cli.main(["report", *CASE, "--ledger", str(ledger), "--out", str(out)]) == 0
     written["report"] = str(out)
+    out = folder / "timeline-deep.html"  # 44 stages: a page taller than the screen
+    deep = ["--model", "smng-p2-20b", "--system", "smng-p2", "--devices", "44", "--gbs", "16", "--pp", "44"]
+    assert cli.main(["chart", "timeline", *deep, "--out", str(out)]) == 0
+    written["timeline-deep"] = str(out)
     found = check_pages(list(written.values()), str(folder))
     return written, {kind: found[path] for kind, path in written.items()}, folder
 
@@ -133,3 +137,33 @@ def test_screenshot_of_the_whatif_page_shows_a_chart(pages):
     width, height, ink = _png_ink(png)
     assert (width, height) == (1200, 900)
     assert 0.03 < ink < 0.6, f"{ink:.1%} of the screenshot is drawn on"
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["left"] < b["right"] and b["left"] < a["right"] and a["top"] < b["bottom"] and b["top"] < a["bottom"]
+
+
+@pytest.mark.parametrize("kind", KINDS + ("report",))
+def test_titles_are_inside_their_plot_and_clear_of_each_other(kind, pages):
+    """A rotated axis title longer than its plot is cut off at the plot's edge and runs into the
+    chart's title (the report's plan-bar charts did): every axis title lies within its plot and
+    overlaps neither the chart title nor another axis title."""
+    _, found, _ = pages
+    for plot in found[kind]["plots"]:
+        b = plot["boxes"]
+        area, titles = b["plot"], {(t["text"], t["left"], t["top"]): t for t in b["axisTitles"] if t["text"]}.values()
+        assert titles, plot["id"]
+        for t in titles:
+            assert area["left"] - 1 <= t["left"] and t["right"] <= area["right"] + 1, (plot["id"], t, area)
+            assert area["top"] - 1 <= t["top"] and t["bottom"] <= area["bottom"] + 1, (plot["id"], t, area)
+            assert b["title"] is None or not _overlap(t, b["title"]), (plot["id"], t, b["title"])
+            assert not any(_overlap(t, u) for u in titles if u is not t), (plot["id"], t)
+
+
+def test_timeline_time_axis_is_on_the_first_screen(pages):
+    """A tall timeline (many stages) must show its time axis without scrolling: 900 px down."""
+    _, found, _ = pages
+    plot = found["timeline-deep"]["plots"][0]
+    assert plot["height"] > 1100  # taller than the window
+    ticks = plot["boxes"]["xticks"]
+    assert ticks and min(t["top"] for t in ticks) < 900, ticks[:3]

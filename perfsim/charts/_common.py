@@ -84,8 +84,9 @@ def style(fig, height: int = 520):
 
 def finish_plan_bars(fig, heading: str, subtitle: str, plans: int):
     """Layout shared by the charts with one stacked horizontal bar per plan (memory, breakdown)."""
-    fig.update_yaxes(autorange="reversed", automargin=True,
-                     title_text="plan: tensor | pipeline | data parallel | ZeRO stage | micro-batch | recomputation")
+    # The bar labels spell each plan out (TP8 1d | PP16 1f1b | ...); a longer rotated title would
+    # run past a short chart's edge.
+    fig.update_yaxes(autorange="reversed", automargin=True, title_text="plan")
     fig.update_layout(title=title(heading, subtitle, 150), barmode="stack",
                       legend={"orientation": "h", "x": 0, "y": -0.2, "traceorder": "normal"})
     style(fig, height=max(420, 70 * plans + 260))

@@ -144,26 +144,33 @@ def timeline_figure(result: SimResult, title: str = "", max_bars: int = CHART_BA
     costs = [len(_stage_tasks(result, i)) for i in range(result.p)] if coarse else detail
     stages = shown_stages(result, costs, max_bars)
     columns: dict = {}
-    rows = []
+    used = set()
     for i in stages:
-        for lane, name in enumerate(LANES):
-            rows.append(f"stage {i} {name}")
         for kind, lane, s, e, name in _bars(result, i, coarse):
+            used.add(lane)
             col = columns.setdefault(kind, {"y": [], "base": [], "x": [], "text": []})
             col["y"].append(f"stage {i} {LANES[lane]}")
             col["base"].append(s)
             col["x"].append(e - s)
             col["text"].append(name)
+    # A stream that is idle on every stage (dp without data parallelism, pp without a pipeline)
+    # gets no row: it would only push the time axis further down.
+    rows = [f"stage {i} {name}" for i in stages for lane, name in enumerate(LANES) if lane in used]
     fig = go.Figure()
     for kind, col in columns.items():
         fig.add_trace(go.Bar(y=col["y"], base=col["base"], x=col["x"], orientation="h", name=kind,
                              marker_color=KIND_COLOURS.get(kind), hovertext=col["text"],
                              hovertemplate="%{hovertext}<br>%{base:.4f} s + %{x:.4f} s<extra>" + kind + "</extra>"))
+    # The time axis also on top, so that a chart taller than the screen shows it without
+    # scrolling; an empty trace puts the second axis on the page, `matches` zooms both together.
+    fig.add_trace(go.Scatter(x=[0.0, result.step_time_s], y=[rows[0], rows[0]] if rows else [], xaxis="x2",
+                             mode="markers", marker={"opacity": 0}, hoverinfo="skip", showlegend=False))
     notes = [n for n in (_sample_note(result, stages), "one bar per task" if coarse else "") if n]
     heading = title or f"simulated step: {result.step_time_s:.3f} s ({result.schedule})"
     if notes:
         heading += f"<br><sub>{'; '.join(notes)}</sub>"
     fig.update_layout(title=heading, barmode="overlay", xaxis_title="time in the step (s)",
+                      xaxis2={"matches": "x", "overlaying": "x", "side": "top", "title": "time in the step (s)"},
                       yaxis={"categoryorder": "array", "categoryarray": rows[::-1], "title": ""},
                       height=max(400, 18 * len(rows) + 150), legend_title="kind", bargap=0.15)
     return fig, "; ".join(notes)
