@@ -44,10 +44,9 @@ import os
 import numpy as np
 
 from perfsim.errors import PerfsimError
-from perfsim.files import MAX_LEDGER_BYTES, open_input
-
-LEDGER_SCHEMA = 1
-SUITES = ("gemm", "memory", "attention", "collective", "tp_overhead")
+# the ledger's reader and record checks (re-exported: validate/ and older callers import them here)
+from perfsim.ledger import LEDGER_SCHEMA, SUITES, read_ledger, skipped_lines, step_problem  # noqa: F401
+from perfsim.ledger import calibration_problem as _record_problem  # noqa: F401
 STREAM_OPS = ("copy", "triad")
 ELEMENTWISE_OPS = ("layernorm", "softmax", "gelu", "add")
 CHECKED_MEMORY_OPS = ("dropout",)  # RNG-bound on CPUs (0.3-1 GB/s): reported, not fitted
@@ -79,68 +78,6 @@ PEAK_KEYS = ("spec", "derived")  # provenances of a true peak, kept when a fit s
 
 
 # --- the ledger ---
-
-def read_ledger(path: str, check=None) -> tuple[list, list]:
-    """(records, problems): every well-formed record (the last one of each key), and one line of
-    text per damaged or unusable line. A missing or unreadable file is a PerfsimError. `check`
-    (record -> reason or None) judges a record; default: a calibration measurement."""
-    check = check or _record_problem
-    fh = open_input(path, "ledger", ".jsonl file", MAX_LEDGER_BYTES)
-    records, problems = {}, []
-    with fh:
-        for number, raw in enumerate(fh, 1):
-            text = raw.strip()
-            if not text:
-                continue
-            try:
-                record = json.loads(text.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-                problems.append(f"line {number} is damaged ({reason})")
-                continue
-            why = check(record)
-            if why:
-                problems.append(f"line {number} {why}")
-                continue
-            records.pop(record["key"], None)
-            records[record["key"]] = record
-    return list(records.values()), problems
-
-
-def _record_problem(record) -> str | None:
-    if not isinstance(record, dict):
-        return "is not a JSON object"
-    if record.get("schema") != LEDGER_SCHEMA:
-        return f"has schema {record.get('schema')!r}, this perfsim reads {LEDGER_SCHEMA}"
-    for key in ("key", "suite", "op", "dtype"):
-        if not isinstance(record.get(key), str):
-            return f"has no {key}"
-    if record["suite"] not in SUITES:
-        return f"has unknown suite {record['suite']!r}"
-    if "error" in record:
-        return None
-    stats = record.get("stats")
-    median = stats.get("median_s") if isinstance(stats, dict) else None
-    if isinstance(median, bool) or not isinstance(median, (int, float)) or not math.isfinite(median) or median <= 0:
-        return "has no positive stats.median_s"
-    shape = record.get("shape")
-    if not isinstance(shape, dict) or not all(isinstance(v, int) and v > 0 for v in shape.values()):
-        return "has no shape of positive whole numbers"
-    if record["suite"] == "collective":
-        group = record.get("group")
-        if not (isinstance(group, list) and len(group) == 2 and all(isinstance(v, int) and v > 0 for v in group)):
-            return "has no group [size, stride]"
-        if not isinstance(record.get("nbytes"), int) or record["nbytes"] <= 0:
-            return "has no nbytes"
-    if record["suite"] == "memory" and not isinstance(record.get("nbytes"), (int, float)):
-        return "has no nbytes"
-    if record["suite"] == "tp_overhead":
-        diffs = record.get("overhead_s")
-        if not (isinstance(diffs, list) and diffs and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                          and math.isfinite(v) for v in diffs)):
-            return "has no overhead_s list"
-    return None
-
 
 def held_out(record: dict) -> bool:
     """Whether a record's size is held out of the fit (a hash of the size alone)."""
@@ -732,7 +669,7 @@ def _collective_fit(records, system, ledger):
                      + ", ".join(f"{op} {1e3 * w:.2f} ms" for op, (w, _) in waits.items()))
         stepped = _replace(model, collectives={"operation_step_overhead_s": tuple(
             (op, waits[op][0]) for op in COLLECTIVE_OPS if op in waits)})
-        means = lambda rows: np.array([r["stats"]["mean_s"] for r in rows], float)  # noqa: E731
+        means = lambda rows: np.array([r["stats"].get("mean_s", r["_t"]) for r in rows], float)  # noqa: E731
         quality.append(Quality("collectives in a step (profile with step overheads) vs each point's mean",
                                mape(collective_times(stepped, fit), means(fit)), len(fit),
                                mape(collective_times(stepped, held), means(held)) if held else float("nan"), len(held)))
@@ -1022,11 +959,18 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
     from perfsim.spec.system import load_system
 
     base = load_system(base_name)
-    records, problems = read_ledger(ledger)
-    for problem in problems:
-        (warn or report)(f"perfsim: warning: ledger {ledger}: {problem}; skipped")
+    duplicates: list = []
+    records, problems = read_ledger(ledger, duplicates=duplicates)
     if not records:
-        raise PerfsimError(f"ledger {ledger} holds no measurements; run `perfsim calibrate --device ...` first")
+        if read_ledger(ledger, step_problem)[0]:
+            raise PerfsimError(f"ledger {ledger} holds training steps (perfsim validate), not calibration "
+                               f"measurements; draw them with `perfsim chart validation --ledger {ledger} --out "
+                               f"FILE.html`, or fit a ledger written by `perfsim calibrate --device ...`")
+        raise PerfsimError(f"ledger {ledger} holds no measurements"
+                           + (f" ({len(problems)} lines skipped: {problems[0]}, ...)" if problems else "")
+                           + "; run `perfsim calibrate --device ...` first")
+    for line in skipped_lines(ledger, problems, duplicates):
+        (warn or report)(f"perfsim: warning: {line}")
     calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock)
     report(format_report(calibration, base))
     if out:

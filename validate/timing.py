@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 from perfsim.errors import PerfsimError
+from perfsim.ledger import step_problem
 from validate.speed_probe import DEFAULT_TOLERANCE, step_time
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
@@ -174,26 +175,9 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
             return json.load(fh)
 
 
-MEASURED_KEYS = ("step_time_s", "step_times_s", "peak_memory_bytes", "flops", "comm_bytes", "comm_bytes_by_kind",
-                 "activation_bytes")
-
-
-def step_record_problem(record) -> str | None:
-    """Why a ledger line is not a usable training-step record (None if it is)."""
-    if not isinstance(record, dict):
-        return "is not a JSON object"
-    from perfsim.calibrate import LEDGER_SCHEMA
-
-    if record.get("schema") != LEDGER_SCHEMA:
-        return f"has schema {record.get('schema')!r}, this perfsim reads {LEDGER_SCHEMA}"
-    if record.get("suite") != "step" or not isinstance(record.get("key"), str):
-        return "is not a training-step record (suite 'step' with a key)"
-    measured = record.get("measured")
-    if not isinstance(measured, dict) or any(k not in measured for k in MEASURED_KEYS):
-        return f"has no measured {', '.join(MEASURED_KEYS)}"
-    if not isinstance(measured["step_time_s"], (int, float)) or not measured["step_time_s"] > 0:
-        return "has no positive measured step_time_s"
-    return None
+# Why a ledger line is not a usable training-step record (None if it is): perfsim's reader checks
+# every field this module reads back on resume (perfsim/ledger.py).
+step_record_problem = step_problem
 
 
 def _entry(plan, prediction: dict, measured: dict) -> dict:

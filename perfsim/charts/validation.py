@@ -1,5 +1,9 @@
 """Predicted against measured: the records of a measurement ledger (validate/, JSON Lines; read
-with perfsim.calibrate.read_ledger) beside what perfsim predicts for each, with +-10% bands.
+with perfsim.ledger.read_ledger) beside what perfsim predicts for each, with +-10% bands.
+
+Both kinds of ledger are drawn: calibration measurements (perfsim calibrate) and training steps
+(perfsim validate --device, suite "step": the step time validate recorded, the median of the steps
+at the profile's speed, against the prediction recorded with it).
 
 A record's measured time is the statistic of its repetitions that the calibrated profile prices
 (by default "expected": the mean, which a profile fitted with calibrate's default prices every
@@ -16,12 +20,15 @@ many.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from perfsim.charts._common import style, title
 from perfsim.errors import PerfsimError
+from perfsim.ledger import STEP_SUITE
 
 BAND = 0.10
 SUITE_COLOURS = {"gemm": "#4c78a8", "memory": "#72b7b2", "collective": "#e45756", "attention": "#b279a2",
@@ -38,7 +45,7 @@ def _predicted(system, records: list) -> tuple:
     out = np.full(len(records), np.nan)
     collectives = []
     for i, r in enumerate(records):
-        own = r.get("predicted_s")
+        own = (r.get("predicted") or {}).get("step_time_s") if r["suite"] == STEP_SUITE else r.get("predicted_s")
         if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
             out[i] = float(own)
         elif system is None:
@@ -70,6 +77,8 @@ def measured_time(record: dict, statistic: str = "expected", clock: str = "auto"
         raise PerfsimError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     if clock not in ("auto", "wall"):
         raise PerfsimError(f"clock must be auto or wall, got {clock!r}")
+    if record.get("suite") == STEP_SUITE:  # what perfsim validate compares: its recorded step time
+        return float(record["measured"]["step_time_s"])
     stats = record["cpu_stats"] if clock == "auto" and isinstance(record.get("cpu_stats"), dict) else record["stats"]
     # "expected": the profile prices every call at its mean (collectives: the link model's fastest
     # repetition plus the step overhead)
@@ -77,12 +86,19 @@ def measured_time(record: dict, statistic: str = "expected", clock: str = "auto"
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 else float("nan")
 
 
-def load(path: str, system=None, statistic: str = "expected", clock: str = "auto") -> tuple:
-    """(records with a measured and a predicted time, their measured and predicted times, a note
-    on the rest)."""
-    from perfsim.calibrate import read_ledger
+def _warn(message: str) -> None:
+    print(f"perfsim: warning: {message}", file=sys.stderr)
 
-    records, problems = read_ledger(path)
+
+def load(path: str, system=None, statistic: str = "expected", clock: str = "auto", warn=_warn) -> tuple:
+    """(records with a measured and a predicted time, their measured and predicted times, a note
+    on the rest). Skipped lines and repeated keys are told to `warn`, one line each."""
+    from perfsim.ledger import any_problem, read_ledger, skipped_lines
+
+    duplicates: list = []
+    records, problems = read_ledger(path, any_problem, duplicates)
+    for line in skipped_lines(path, problems, duplicates):
+        warn(line)
     measured_ok = [r for r in records if "error" not in r]
     failed = len(records) - len(measured_ok)
     measured = np.array([measured_time(r, statistic, clock) for r in measured_ok], float)
@@ -97,7 +113,9 @@ def load(path: str, system=None, statistic: str = "expected", clock: str = "auto
         notes.append(f"{left} records without a prediction ({', '.join(suites)}"
                      + ("; give --system to predict them" if system is None else "") + ")")
     if problems:
-        notes.append(f"{len(problems)} damaged lines skipped")
+        notes.append(f"{len(problems)} damaged or unusable lines skipped")
+    if duplicates:
+        notes.append(f"{len(duplicates)} keys on more than one line (the last copy of each drawn)")
     if not keep:
         raise PerfsimError(f"ledger {path}: no record with both a measured and a predicted time"
                            + (f" ({'; '.join(notes)})" if notes else "")
@@ -106,14 +124,17 @@ def load(path: str, system=None, statistic: str = "expected", clock: str = "auto
 
 
 def _describe(r: dict) -> str:
+    if r["suite"] == STEP_SUITE:
+        plan = ", ".join(f"{k} {v}" for k, v in r["plan"].items())
+        return f"training step {r['dtype']}, {r.get('model', '')}: {plan}"
     shape = ", ".join(f"{k} {v}" for k, v in r.get("shape", {}).items())
     group = f", group of {r['group'][0]} ranks {r['group'][1]} apart" if r.get("group") else ""
     return f"{r['suite']} {r['op']} {r['dtype']}: {shape}{group}"
 
 
-def figure(path: str, system=None, statistic: str = "expected", clock: str = "auto") -> go.Figure:
+def figure(path: str, system=None, statistic: str = "expected", clock: str = "auto", warn=_warn) -> go.Figure:
     """The parity plot and the relative error of ledger `path` (predictions from `system`)."""
-    records, measured, predicted, note = load(path, system, statistic, clock)
+    records, measured, predicted, note = load(path, system, statistic, clock, warn)
     error = predicted / measured - 1
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
                         subplot_titles=("predicted against measured (log-log)", "prediction error against measured time"))
@@ -148,9 +169,12 @@ def figure(path: str, system=None, statistic: str = "expected", clock: str = "au
     fig.update_yaxes(title_text="(predicted - measured) / measured (%)", range=[-span, span], row=1, col=2)
     chosen = {"min": "the best", "median": "the median", "p25": "the 25th percentile", "mean": "the mean",
               "expected": "the mean"}[statistic]
+    steps = all(r["suite"] == STEP_SUITE for r in records)
     source = (f"ledger {path}" + (f", predictions from profile {system.name}" if system is not None else "")
-              + f"; measured: {chosen} of each point's repetitions"
-              + (", the rank's CPU time where recorded" if clock == "auto" else ", wall clock"))
+              + ("; measured: each plan's step time as perfsim validate recorded it (the median of its steps at "
+                 "the profile's speed), predicted: the prediction recorded with it" if steps else
+                 f"; measured: {chosen} of each point's repetitions"
+                 + (", the rank's CPU time where recorded" if clock == "auto" else ", wall clock")))
     subtitle = f"{source}. " + "; ".join(summary) + "." + (f" Left out: {note}." if note else "") + \
         " Green band: within +-10% of the measurement."
     fig.update_layout(title=title("How close are perfsim's predictions to measurements?", subtitle, 150),
