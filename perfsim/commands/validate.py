@@ -163,10 +163,16 @@ def compare_log(args) -> dict:
 
     summary = read_log(args.megatron_log)
     model, system, plan = build_case(args)
+    logged = summary.global_batch_size
+    if logged is not None and logged != plan.gbs:  # else the comparison prices another batch
+        given = f"--gbs {plan.gbs}" if args.gbs is not None else f"{plan.gbs} (mbs x dp, --gbs left out)"
+        raise PerfsimError(f"the log's global batch size is {logged} but the plan's is {given}; give the run's "
+                           f"--gbs {logged} with its --mbs and parallel sizes")
     prediction = predict(model, system, plan, dtype=args.dtype)
     measured_tflops = summary.tflops_per_device
     return {
         "log": args.megatron_log, "intervals": len(summary.step_times_s), "skipped_first_interval": summary.skipped_first,
+        "global_batch_size": logged, "skipped_ramp_up_intervals": summary.skipped_ramp,
         "step_time_s": {"predicted": prediction.step_time_s, "measured": summary.step_time_s,
                         "relative_error": _relative(prediction.step_time_s, summary.step_time_s)},
         "megatron_ds_tflops_per_device": {"predicted": prediction.megatron_ds_tflops_per_device,
@@ -186,6 +192,8 @@ def format_comparison(r: dict) -> str:
 
     st, tf = r["step_time_s"], r["megatron_ds_tflops_per_device"]
     first = "first interval left out (warm-up), " if r["skipped_first_interval"] else ""
+    if r.get("skipped_ramp_up_intervals"):
+        first += f"{r['skipped_ramp_up_intervals']} at a smaller global batch left out (ramp-up), "
     lines = [f"Megatron-DeepSpeed log {r['log']}: {r['intervals']} logged interval(s), {first}median",
              f"model {r['model']} on {r['system']}, {r['devices']} devices",
              "",
