@@ -77,6 +77,7 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
     memory = peak_memory(model, system, c)
     recompute = np.where(c.recompute == FULL, counts.recompute_flops_per_sample(model, "full"),
                          np.where(c.recompute == SELECTIVE, counts.recompute_flops_per_sample(model, "selective"), 0.0))
+    recompute = recompute + c.flash * counts.flash_recompute_flops_per_sample(model)
     model_flops = c.gbs * counts.model_flops_per_sample(model, c.tp)
     ds_flops = c.gbs * np.where(c.recompute == FULL, counts.megatron_ds_flops_per_sample(model, c.tp, True),
                                 counts.megatron_ds_flops_per_sample(model, c.tp, False))

@@ -82,6 +82,12 @@ def recompute_flops_per_sample(model: ModelSpec, recompute: str) -> float:
     return 0.0
 
 
+def flash_recompute_flops_per_sample(model: ModelSpec) -> float:
+    """Matmul FLOPs a fused (flash) attention backward spends again: it recomputes the scores
+    (one s x s x d product per head) instead of reading them back, in every layer."""
+    return model.layers * layer_forward_flops(model, model.seq)["scores"]
+
+
 def megatron_ds_flops_per_sample(model: ModelSpec, tp: int, full_recompute: bool) -> float:
     """The count behind Megatron-DeepSpeed's `TFLOPs:` log line (shared/reference/published.md):
     forward MACs L(4 h^2 s + 2 s^2 h + 2 ffn h s) + V h s, x3 (x4 with activation checkpointing), x2."""

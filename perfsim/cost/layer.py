@@ -66,6 +66,14 @@ class MemoryOp:
     kind: str = ""  # one of perfsim.spec.system.MEMORY_KINDS, or "" (generic)
 
 
+# FlashAttention-style kernels (Dao et al. 2022; Shah et al. 2024, FlashAttention-3): a causal mask
+# lets the kernel skip the key blocks above the diagonal, about half of the s x s products; the
+# backward recomputes the scores and runs four more products (dP, dV, dQ, dK): 5 against the
+# forward's 2 (docs/equations.md 3.9).
+CAUSAL_WORK = 0.5
+FLASH_BACKWARD = 2.5
+
+
 @dataclass
 class Work:
     """Forward work of a piece of the model on one device for one micro-batch."""
@@ -157,23 +165,49 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]
 CORE_MEMORY_OPS = ("softmax", "attn_dropout")
 
 
-def work(device: Device, peak_flops: float, gemms: list, memory_ops: list) -> Work:
-    """Forward time and FLOPs of a list of ops; the attention core is also summed on its own."""
+def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tuple:
+    """(forward, backward) seconds of the attention core as one fused causal kernel, for the
+    products of the `scores` GEMM's shape (c sequence-heads of s x s x d) and the matching context
+    product: the FLOPs the kernel executes (CAUSAL_WORK of the full square; FLASH_BACKWARD x as
+    many backward) at the profile's flash efficiencies, or, where it names none, at the GEMM
+    model's efficiency for the scores shape; one kernel launch each way."""
+    executed = CAUSAL_WORK * 2 * 2.0 * scores.count * scores.m * scores.n * scores.k
+    shape = gemm_efficiency(device, scores.m, scores.n, scores.k)
+    forward_eff = device.flash_forward_efficiency or shape
+    backward_eff = device.flash_backward_efficiency or forward_eff
+    return (executed / (peak_flops * forward_eff) + device.kernel_overhead_s,
+            FLASH_BACKWARD * executed / (peak_flops * backward_eff) + device.kernel_overhead_s)
+
+
+def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash=0) -> Work:
+    """Forward time and FLOPs of a list of ops; the attention core is also summed on its own.
+    `flash` (0 or 1, or an array of them): the attention core runs as one fused kernel in place
+    of its two GEMMs, softmax and dropout (their FLOPs still count: the convention counts the
+    products, not how they are run)."""
     total = Work()
+    unfused = 1 - flash
     for g in gemms:
         flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(device, peak_flops, g)
-        total.flops, total.time_s = total.flops + flops, total.time_s + time
+        total.flops = total.flops + flops
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
+            time = unfused * time
             total.core_flops, total.core_time_s = total.core_flops + flops, total.core_time_s + time
         else:
             total.weight_grad_s = total.weight_grad_s + time
+        total.time_s = total.time_s + time
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
+        if g.name == ATTENTION_CORE[0]:
+            forward, backward = flash_attention_times(device, peak_flops, g)
+            total.time_s = total.time_s + flash * forward
+            total.core_time_s = total.core_time_s + flash * forward
+            total.backward_s = total.backward_s + flash * backward
     for op in memory_ops:
         time, backward = memory_times(device, op)
+        if op.name in CORE_MEMORY_OPS:  # inside the fused kernel, in on-chip memory
+            time, backward = unfused * time, unfused * backward
+            total.core_time_s = total.core_time_s + time
         total.time_s = total.time_s + time
         total.backward_s = total.backward_s + backward
-        if op.name in CORE_MEMORY_OPS:
-            total.core_time_s = total.core_time_s + time
     return total
 
 

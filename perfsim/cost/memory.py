@@ -22,7 +22,7 @@ OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and varianc
 
 
 def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
-                     gathered_weight_bytes=0.0):
+                     gathered_weight_bytes=0.0, flash=0):
     """Bytes one layer keeps for backward per micro-batch on one device, tensor by tensor.
 
     `split` divides the tensors inside the tensor-parallel region, `region_split` the norm,
@@ -30,7 +30,9 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     linears keep for their weight gradients, which 3d keeps gathered. For a GPT layer
     (ffn = 4h, kv_heads = heads, dropout) in 1d this is Korthikanti's sbh(10 + 24/t + 5as/(ht))
     without SP, (sbh/t)(34 + 5as/h) with SP, 34sbh/t (or sbh(10 + 24/t)) with selective
-    recomputation, and 2sbh (2sbh/t with SP) with full recomputation.
+    recomputation, and 2sbh (2sbh/t with SP) with full recomputation. With `flash` attention no
+    s x s tensor is kept: the fused kernel keeps one fp32 log-sum-exp per query row and head
+    instead (4as b/t bytes), and selective recomputation has nothing left to drop.
     """
     s, h, a, f, kv = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden
     sbh = s * b * h
@@ -45,7 +47,9 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
     mlp = (4 if model.gated_mlp else 2) * s * b * f / split + 2 * s * b * f / inputs
     scores = (2 + 3 * mask) * a * s * s * b / split  # softmax output, dropout mask and output
-    kept = region + attention + mlp + gathered_weight_bytes + np.where(recompute == SELECTIVE, 0, scores)
+    scores = np.where(recompute == SELECTIVE, 0, scores)
+    scores = np.where(flash, FP32 * a * s * b / split, scores)
+    kept = region + attention + mlp + gathered_weight_bytes + scores
     return np.where(recompute == FULL, BF16 * sbh / region_split, kept)
 
 
@@ -54,16 +58,16 @@ def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
     return activation_bytes(model, b, t, np.where(sp, t, 1), recompute)
 
 
-def layout_activation_bytes(model: ModelSpec, layout, b, recompute):
+def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0):
     """Any tensor-parallel mode. 3d keeps X gathered over one axis ([b/q, h_in/q]) and W gathered
     ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
     if layout.mode != "3d":
-        return activation_bytes(model, b, layout.split, layout.region_split, recompute)
+        return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash)
     keep = np.where((layout.regather > 0) | (layout.q == 1), 0, 1)  # one device gathers nothing
     linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
     weights = keep * BF16 * linear_weights / layout.q**2
     inputs = np.where(keep, layout.q**2, layout.size)
-    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights)
+    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash)
     return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute), kept)
 
 
@@ -126,13 +130,13 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
     layout = layout_of(model, c)
-    per_layer = layout_activation_bytes(model, layout, b, c.recompute)
+    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash)
     layers = model.layers / p
     in_flight = microbatches_in_flight(c, last_stage)
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0), 0)
+    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash), 0)
     first = (p == 1) | (not last_stage)
     last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask

@@ -64,7 +64,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
     layer = work(dev, peak_flops, tpc.layer_gemms(layout, model, b),
-                 layer_memory_ops(model, b, layout.split, layout.region_split))
+                 layer_memory_ops(model, b, layout.split, layout.region_split), c.flash)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward

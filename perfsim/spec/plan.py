@@ -13,6 +13,7 @@ TP_MODES = ("1d", "2d", "2.5d", "3d")
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "2.5d": ("row", "col", "depth"), "3d": ("input", "weight", "output")}
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("unfused", "flash")  # the attention core as two GEMMs and a softmax, or one fused kernel
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
 LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
@@ -37,6 +38,7 @@ class Plan:
     order: str = DEFAULT_ORDER
     tp_axes: str = "auto"  # tensor-parallel grid axes innermost first, or heaviest traffic innermost
     tp_regather: bool = False  # 3d: re-gather X and W for backward instead of keeping the gathered copies
+    attention: str = "unfused"  # the command line's default is the profile's framework.attention
 
     @property
     def devices(self) -> int:
@@ -73,6 +75,8 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         reasons.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.recompute not in RECOMPUTE:
         reasons.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {plan.recompute!r}")
+    if plan.attention not in ATTENTION:
+        reasons.append(f"attention must be one of {', '.join(ATTENTION)}, got {plan.attention!r}")
     if isinstance(plan.zero, bool) or plan.zero not in (0, 1, 2, 3):
         reasons.append(f"zero must be 0, 1, 2 or 3, got {plan.zero!r}")
     if not isinstance(plan.sp, (bool, np.bool_)):

@@ -8,6 +8,7 @@ from perfsim.spec._toml import read_toml
 from dataclasses import dataclass, fields
 
 from perfsim.errors import PerfsimError, did_you_mean
+from perfsim.spec.plan import ATTENTION
 
 # hwprofiles/ at the top of the repository, shipped inside the package through the
 # perfsim/hwprofiles link so that a plain `pip install .` finds it too.
@@ -41,6 +42,11 @@ class Device:
     # for that kind's forward or backward kernel; a kind left out keeps memory_efficiency, and its
     # backward is MEMORY_BACKWARD x its forward time (perfsim.cost.layer.memory_times).
     operation_memory_efficiency: tuple = ()
+    # Optional fractions of peak a fused (flash) attention kernel reaches on the FLOPs it executes,
+    # forward and backward (perfsim.cost.layer.flash_attention_times); None: the GEMM model's
+    # efficiency at the scores GEMM's shape, the backward at the forward's.
+    flash_forward_efficiency: float | None = None
+    flash_backward_efficiency: float | None = None
 
     def memory_efficiency_of(self, kind: str, backward: bool = False):
         """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
@@ -137,6 +143,9 @@ class Framework:
     # reduce-scattered in buckets, weights kept whole beside the shards in ZeRO-2. "fsdp2": torch's
     # fully_shard, one call per module, with its buffer copies and memory (as validate/ runs it).
     zero_implementation: str = "deepspeed"
+    # Optional: the attention kernel a plan runs when it names none (`--attention`): "unfused"
+    # (two batched GEMMs around a softmax, the SC21-era stacks) or "flash" (one fused kernel).
+    attention: str = "unfused"
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,9 @@ _NONNEG = ("float", 0.0, INF, True)
 _FRACTION = ("float", 0.0, 1.0, False)
 _COUNT = ("int", 1, INF, True)
 _RULES = {
-    "device": {f.name: _POSITIVE for f in fields(Device) if f.name not in ("name", "operation_memory_efficiency")}
+    "device": {f.name: _POSITIVE for f in fields(Device)
+               if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
+                                 "flash_backward_efficiency")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
@@ -172,11 +183,13 @@ _RULES = {
 }
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
-                           "sp_layer_overhead_s": _NONNEG}}
+                           "sp_layer_overhead_s": _NONNEG},
+             "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
-_CHOICES = {"collectives": {"algorithm": ALGORITHMS}, "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS}}
+_CHOICES = {"collectives": {"algorithm": ALGORITHMS},
+            "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS, "attention": ATTENTION}}
 _TOPOLOGIES = ("fat-tree",)
 _TOP_LEVEL = ("schema", "name", "description")
 _NUMBER_PARTS = ("value", "provenance", "source")
