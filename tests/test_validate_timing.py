@@ -154,3 +154,21 @@ def test_a_failing_rank_ends_the_run_and_keeps_the_ledger(fault, first_run, tmp_
     # process start and torch import come before the timeout starts to count
     assert time.perf_counter() - start < timeout + 40
     assert ledger.read_text().splitlines() == [earlier]
+
+
+def test_plan_fields_added_later_keep_the_ledgers_keys():
+    """Every plan in the committed validation ledger, read back into today's Plan (which has
+    fields added since, such as attention), keys as it did when it was measured; a plan that
+    sets a later field to something new keys apart."""
+    import json
+
+    from perfsim.spec.plan import Plan
+
+    with open("hwprofiles/ledgers/validation-cpu.jsonl") as fh:
+        plans = [json.loads(line)["plan"] for line in fh if '"plan"' in line]
+    assert plans
+    for stored in plans:
+        assert timing.plan_key_fields(Plan(**stored)) == stored
+    plan = Plan(**plans[0])
+    args = (MODEL, plan, "bf16", 3, 1, "cpu", 2)
+    assert timing.point_key(*args) != timing.point_key(MODEL, plan.replace(attention="flash"), *args[2:])

@@ -98,12 +98,22 @@ def plan_label(plan) -> str:
 HARNESS_REVISION = 2
 
 
+# Plan fields added after ledgers were written, with the value every earlier point ran with: a
+# plan at that value keys as before the field existed, so a ledger's points are still found.
+LATER_PLAN_FIELDS = {"attention": "unfused"}
+
+
+def plan_key_fields(plan) -> dict:
+    """The plan as its ledger key sees it (LATER_PLAN_FIELDS at their old value left out)."""
+    return {k: v for k, v in plan.as_dict().items() if LATER_PLAN_FIELDS.get(k, object()) != v}
+
+
 def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int,
               round_: int = 1, revision: int = HARNESS_REVISION) -> str:
     """What identifies one plan's measurement in a ledger; rounds after the first have keys of
     their own (the first round's is what ledgers before rounds hold), and so do harness revisions
     after the first."""
-    fields = [model_spec, plan.as_dict(), dtype, steps, warmup, device, nproc] + ([revision] if revision > 1 else [])
+    fields = [model_spec, plan_key_fields(plan), dtype, steps, warmup, device, nproc] + ([revision] if revision > 1 else [])
     text = json.dumps(fields, sort_keys=True)
     key = "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
     return key if round_ == 1 else f"{key}:round{round_}"
@@ -159,7 +169,7 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
                  timeout_s: float, threads, probe_expected_s: float | None = None,
                  speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
-    from validate.campaign import launch_ranks
+    from validate.launcher import launch_ranks
 
     with tempfile.TemporaryDirectory(prefix="perfsim-validate-") as tmp:
         out = os.path.join(tmp, "result.json")
