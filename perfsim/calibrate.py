@@ -44,6 +44,7 @@ import os
 import numpy as np
 
 from perfsim.errors import PerfsimError
+from perfsim.files import check_output, write_output
 # the ledger's reader and record checks (re-exported: validate/ and older callers import them here)
 from perfsim.ledger import LEDGER_SCHEMA, SUITES, read_ledger, skipped_lines, step_problem  # noqa: F401
 from perfsim.ledger import calibration_problem as _record_problem  # noqa: F401
@@ -958,6 +959,8 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
     (named `name`, described by `description`; both have defaults from the files and the ledger)."""
     from perfsim.spec.system import load_system
 
+    if out:
+        check_output(out, "--out", "calibrated.toml")  # before the fit
     base = load_system(base_name)
     duplicates: list = []
     records, problems = read_ledger(ledger, duplicates=duplicates)
@@ -974,9 +977,6 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
     calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock)
     report(format_report(calibration, base))
     if out:
-        folder = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder):
-            raise PerfsimError(f"--out {out}: folder {folder} does not exist")
         name = name or os.path.splitext(os.path.basename(out))[0]
         hosts = sorted({r.get("host", "?") for r in records})
         devices = sorted({(r.get("device") or {}).get("name", "?") for r in records if isinstance(r.get("device"), dict)})
@@ -984,10 +984,6 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
                        f"({', '.join(devices)[:80] or 'unknown device'}) from ledger {os.path.basename(ledger)}; "
                        f"machine-specific: measured numbers hold for that machine and software stack only")
         text = calibrated_profile(base.path, calibration, os.path.basename(ledger), name, description)
-        try:
-            with open(out, "w", encoding="utf-8") as fh:
-                fh.write(text)
-        except OSError as exc:
-            raise PerfsimError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
+        write_output(out, "--out", text, example="calibrated.toml")
         report(f"wrote {out}")
     return calibration

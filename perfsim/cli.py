@@ -22,12 +22,45 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {_short(text)!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
     if value > 2**40:
-        raise argparse.ArgumentTypeError(f"{value} is implausibly large (at most {2**40})")
+        raise argparse.ArgumentTypeError(f"{_short(text)} is implausibly large (at most {2**40})")
     return value
+
+
+def _short(text: str) -> str:
+    """A flag's text as an error message quotes it: at most 40 characters."""
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def whole_number(low: int, high: int):
+    """An argparse type: a whole number from `low` to `high`. The bounds cap the work a flag asks
+    for (steps, threads, ranks) before anything is allocated or launched; the help says them."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {_short(text)!r}")
+        return value
+    return parse
+
+
+def finite_number(low: float, high: float):
+    """An argparse type: a number above `low` and at most `high` (nan and inf are neither)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not low < value <= high:
+            raise argparse.ArgumentTypeError(f"expected a number above {low:g} and at most {high:g}, "
+                                             f"got {_short(text)!r}")
+        return value
+    return parse
 
 
 def _add_case_flags(p: argparse.ArgumentParser) -> None:
@@ -176,6 +209,8 @@ def main(argv=None) -> int:
         args.run(args)
     except PerfsimError as exc:  # one line, whatever a quoted path or value holds
         message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
+        if len(message) > 2000:  # a value quoted whole (a megabyte-long flag, a table)
+            message = message[:2000] + "... (cut)"
         print(f"perfsim: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -323,7 +323,7 @@ def test_predict_engine_sim_keeps_every_key(run_cli):
 
 @pytest.mark.parametrize("argv,words", [
     (("simulate", "--schedule", "zb-h1", "--vpp", "2"), "one chunk per stage"),
-    (("simulate", "--html", "/nonexistent-dir/x.html"), "cannot write --html"),
+    (("simulate", "--html", "/nonexistent-dir/x.html"), "--html /nonexistent-dir/x.html: folder /nonexistent-dir does not exist"),
     (("predict", "--engine", "des"), "invalid choice"),
 ])
 def test_errors_are_one_line(run_cli, argv, words):

@@ -4,12 +4,11 @@ network, so a page opens offline (an HPC login node, a laptop on a train)."""
 from __future__ import annotations
 
 import html
-import os
 
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from perfsim.errors import PerfsimError
+from perfsim.files import write_output
 
 CONFIG = {"displaylogo": False, "responsive": True, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -48,16 +47,7 @@ def page_html(sections: list, heading: str, lead: str = "", h1: bool = True) -> 
 def write_page(path: str, sections: list, heading: str, lead: str = "", h1: bool = True) -> int:
     """Write the page; returns its size in bytes. Problems with `path` are PerfsimErrors."""
     text = page_html(sections, heading, lead, h1)
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise PerfsimError(f"--out {path} is a directory; give a file name such as {os.path.join(path, 'chart.html')}")
-    if not os.path.isdir(folder):
-        raise PerfsimError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as exc:
-        raise PerfsimError(f"--out {path} cannot be written: {exc.strerror or exc}") from None
+    write_output(path, "--out", text, example="chart.html")
     return len(text.encode("utf-8"))
 
 

@@ -42,7 +42,6 @@ def _whole(low: int, high: int):
 
 
 _positive = _whole(1, 2**20)
-_count = _whole(0, 10000)
 
 
 def _seconds(text: str) -> float:
@@ -92,7 +91,8 @@ def register(subparsers) -> None:
         description="Measure this machine (validate/ microbenchmarks, needs torch) and fit a calibrated profile; "
                     "or write a Slurm script for SMNG-P2; or fit a ledger measured elsewhere.")
     p.add_argument("--device", choices=DEVICES, help="what one rank owns: cpu (one core per rank), cuda, xpu (one tile)")
-    p.add_argument("--nproc", type=_positive, help="ranks on this machine (default: cores on cpu, visible GPUs/tiles)")
+    p.add_argument("--nproc", type=_whole(1, 4096), help="ranks on this machine, 1 to 4096 (default: cores on cpu, "
+                                                         "visible GPUs/tiles)")
     p.add_argument("--ledger", help="JSON Lines file of measurements; appended to, resumed from "
                                     "(default calibration-DEVICE.jsonl)")
     p.add_argument("--out", help="calibrated profile to write (default SYSTEM-calibrated.toml)")
@@ -124,11 +124,11 @@ def register(subparsers) -> None:
     w.add_argument("--suites", type=_choices(SUITES), help=f"what to measure (default all: {','.join(SUITES)})")
     w.add_argument("--max-bytes", dest="max_bytes", type=parse_bytes,
                    help="largest collective message (default 256MiB; 1MiB with --quick)")
-    w.add_argument("--warmup", type=_count, default=None, help="untimed calls before timing (default 2)")
-    w.add_argument("--repeats", type=_positive, default=None, help="timed repetitions per point (default 5)")
+    w.add_argument("--warmup", type=_whole(0, 1000), default=None, help="untimed calls before timing, 0 to 1000 (default 2)")
+    w.add_argument("--repeats", type=_whole(1, 1000), default=None, help="timed repetitions per point, 1 to 1000 (default 5)")
     w.add_argument("--min-time", dest="min_time", type=_seconds, default=None,
                    help="shortest repetition in seconds; short ops are looped (default 0.002)")
-    w.add_argument("--threads", type=_positive, help="CPU threads per rank (default: cores / ranks)")
+    w.add_argument("--threads", type=_whole(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
     s = p.add_argument_group("Slurm (SMNG-P2)")
     s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE", help="write a batch script and stop")
     s.add_argument("--nodes", type=_positive, help="nodes of the Slurm job (8 tiles each)")
@@ -210,7 +210,9 @@ def run(args) -> None:
     _import_validate()
     if args.worker:
         from validate.campaign import rank_environment, run_worker
+        from validate.launcher import die_with_launcher
 
+        die_with_launcher()  # a rank of launch_local: it dies with the launcher
         ranks = rank_environment()
         run_worker(_options(args, ranks.world, ranks.local_world))
         return None
@@ -263,11 +265,9 @@ def _base_system_name(args) -> str:
 
 
 def _check_out(out: str) -> None:
-    folder = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        raise PerfsimError(f"--out {out} is a directory; give a .toml file name")
-    if not os.path.isdir(folder):
-        raise PerfsimError(f"--out {out}: folder {folder} does not exist")
+    from perfsim.files import check_output
+
+    check_output(out, "--out", "calibrated.toml")
 
 
 def _run_fit(args) -> None:
@@ -301,13 +301,8 @@ def _run_emit_slurm(args) -> None:
     fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", out)
     job = Job(nodes=args.nodes, worker_argv=tuple(worker_argv(options)), fit_argv=() if args.no_fit else fit,
               time=args.time, partition=args.partition, account=args.account, setup=tuple(args.setup))
-    path = args.emit_slurm
-    if os.path.isdir(path):
-        raise PerfsimError(f"--emit-slurm {path} is a directory; give a file name such as calibrate.sbatch")
-    try:
-        with open(path, "w") as fh:
-            fh.write(script(job))
-    except OSError as exc:
-        raise PerfsimError(f"--emit-slurm {path} cannot be written: {exc.strerror or exc}") from None
-    os.chmod(path, 0o755)
+    from perfsim.files import write_output
+
+    path = args.emit_slurm  # a new script is executable; an existing file keeps its permissions
+    write_output(path, "--emit-slurm", script(job), executable=True, example="calibrate.sbatch")
     print(f"wrote {path}: {args.nodes} nodes x {TILES_PER_NODE} tiles; submit with `sbatch {path}`")

@@ -138,16 +138,12 @@ def figure_for(kind: str, case: Case, args):
 
 
 def check_out(path: str) -> None:
-    """Fail before the work when --out cannot be written."""
-    import os
+    """Fail before the work when --out cannot be written (perfsim.files: a regular file only)."""
+    from perfsim.files import check_output
 
     if not path.lower().endswith((".html", ".htm")):
         raise PerfsimError(f"--out {path}: give an .html file name")
-    if os.path.isdir(path):
-        raise PerfsimError(f"--out {path} is a directory; give a file name such as {os.path.join(path, 'chart.html')}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise PerfsimError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
+    check_output(path, "--out", "chart.html")
 
 
 def run(args) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-from perfsim.errors import PerfsimError
-
 
 def register(sub) -> None:
-    from perfsim.cli import _positive
+    from perfsim.cli import _positive, finite_number
 
     p = sub.add_parser("search", help="find the best parallel plans for a model, system and device count")
     p.add_argument("--model", required=True, help="preset name, key=value spec, or .toml file")
@@ -22,8 +20,8 @@ def register(sub) -> None:
                    help="restrict a knob (plan field names): tp_mode=1d, zero=1, pp=8,16, mbs=1..4, sp=true; repeatable")
     p.add_argument("--rank", default="throughput", choices=("throughput", "time-to-train", "device-hours", "memory-headroom"),
                    help="order of the results; for a fixed device count the first three agree (default throughput)")
-    p.add_argument("--tokens", type=float, default=300e9,
-                   help="training tokens for the time-to-train and device-hours columns (default 300e9)")
+    p.add_argument("--tokens", type=finite_number(0, 1e18), default=300e9,
+                   help="training tokens for the time-to-train and device-hours columns, up to 1e18 (default 300e9)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
@@ -39,8 +37,6 @@ def run(args) -> None:
 
     model, system = load_model(args.model), load_system(args.system)
     devices = args.devices if args.devices is not None else args.nodes * system.node.devices_per_node
-    if args.tokens <= 0:
-        raise PerfsimError(f"--tokens must be positive, got {args.tokens:g}")
     result = search(model, system, devices, args.gbs, parse_fixes(args.fix), top=args.top, rank=args.rank,
                     dtype=args.dtype, progress=None if args.quiet else stderr_progress)
     if args.json:

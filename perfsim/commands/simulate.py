@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-from perfsim.errors import PerfsimError
-
 ZERO_BUBBLE = "zb-h1"
 
 
@@ -31,18 +29,20 @@ def run(args) -> None:
     from perfsim.cli import build_case
     from perfsim.schedule.simulator import simulate
 
+    from perfsim.files import check_output
+
+    for flag, path, example in (("--trace", args.trace, "step.json"), ("--html", args.html, "step.html")):
+        if path is not None:  # before the work: a regular file in an existing folder
+            check_output(path, flag, example)
     schedule = None
     if args.schedule == ZERO_BUBBLE:
         schedule, args.schedule = ZERO_BUBBLE, None
     model, system, plan = build_case(args)
     sim = simulate(model, system, plan, dtype=args.dtype, schedule=schedule)
     notes = {}
-    for flag, path, write in (("--trace", args.trace, _write_trace), ("--html", args.html, _write_html)):
+    for path, write in ((args.trace, _write_trace), (args.html, _write_html)):
         if path:
-            try:
-                notes[path] = write(sim, path)
-            except OSError as exc:
-                raise PerfsimError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+            notes[path] = write(sim, path)
     if args.json:
         print(json.dumps(sim.as_json(), indent=2))
     else:

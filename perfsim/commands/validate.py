@@ -19,31 +19,34 @@ from perfsim.errors import PerfsimError
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_case_flags, _add_plan_flags, _positive
+    from perfsim.cli import _add_case_flags, _add_plan_flags, whole_number
 
     p = sub.add_parser("validate", help="compare predictions with real training steps (run here, or a Megatron-DeepSpeed log)")
     p.add_argument("--megatron-log", dest="megatron_log", metavar="FILE",
                    help="stdout of a Megatron-DeepSpeed run: its 'elapsed time per iteration (ms)' and 'TFLOPs:' lines")
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="run real training steps here on this device kind")
-    p.add_argument("--nproc", type=_positive, help="ranks for --device runs (default 2 on cpu, else 1)")
+    p.add_argument("--nproc", type=whole_number(1, 4096), help="ranks for --device runs, 1 to 4096 (default 2 on cpu, else 1)")
     p.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists, e.g. 'tp=2,sp=true,recompute=full;"
                    "pp=2,schedule=gpipe,gbs=8' (default: plan flags for one plan, else a set of at least 12)")
-    p.add_argument("--steps", type=_positive, default=3, help="timed steps per plan (default 3; the median is used)")
-    p.add_argument("--rounds", type=_positive, default=1,
-                   help="run the plan list this many times; a plan's step time is the median over all its rounds' "
-                        "steps (default 1; more weigh a machine whose speed drifts alike on every plan)")
+    p.add_argument("--steps", type=whole_number(1, 1000), default=3,
+                   help="timed steps per plan, 1 to 1000 (default 3; the median is used)")
+    p.add_argument("--rounds", type=whole_number(1, 100), default=1,
+                   help="run the plan list this many times, 1 to 100; a plan's step time is the median over all its "
+                        "rounds' steps (default 1; more weigh a machine whose speed drifts alike on every plan)")
     # 0.15: validate.speed_probe.DEFAULT_TOLERANCE, written out because this parser is built
     # where the validate/ harness may not be installed
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=_tolerance, default=0.15,
                    help="a timed step counts when the GEMM probe before it took within this fraction of what the "
                         "profile predicts (the machine ran at its calibrated speed); more steps are taken, up to "
                         "3 x --steps, until --steps of them do (default 0.15; 'inf' counts every step)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first step (which makes one-time allocations), the first of them measuring peak memory (default 1)")
+    p.add_argument("--warmup", type=whole_number(1, 100), default=1,
+                   help="untimed steps after the first step (which makes one-time allocations), the first of them "
+                        "measuring peak memory, 1 to 100 (default 1)")
     p.add_argument("--ledger", help="JSON Lines file the runs are appended to and resumed from "
                    "(default validation-DEVICE.jsonl)")
-    p.add_argument("--timeout", type=_positive, default=300,
-                   help="seconds a collective may wait before the run ends with an error (default 300)")
-    p.add_argument("--threads", type=_positive, help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=whole_number(1, 86400), default=300,
+                   help="seconds a collective may wait before the run ends with an error, up to a day (default 300)")
+    p.add_argument("--threads", type=whole_number(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
     _add_case_flags(p)
     _add_plan_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -139,15 +142,10 @@ def emit_slurm(args) -> None:
                               warmup=args.warmup, timeout=args.timeout, ledger=ledger, results=stem + "-results",
                               out=stem + ".json", time=args.time, partition=args.partition, account=args.account,
                               setup=tuple(args.setup))
-    path = args.emit_slurm
-    if os.path.isdir(path):
-        raise PerfsimError(f"--emit-slurm {path} is a directory; give a file name such as validate.sbatch")
-    try:
-        with open(path, "w") as fh:
-            fh.write(slurm.validation_script(job))
-    except OSError as exc:
-        raise PerfsimError(f"--emit-slurm {path} cannot be written: {exc.strerror or exc}") from None
-    os.chmod(path, 0o755)
+    from perfsim.files import write_output
+
+    path = args.emit_slurm  # a new script is executable; an existing file keeps its permissions
+    write_output(path, "--emit-slurm", slurm.validation_script(job), executable=True, example="validate.sbatch")
     print(f"wrote {path}: {len(plans)} plan(s) on {job.nodes} nodes x {slurm.TILES_PER_NODE} tiles; "
           f"submit with `sbatch {path}`")
 

@@ -655,6 +655,11 @@ class Simulation:
         return out
 
 
+# Stage passes (stages x chunks x micro-batches) one simulation builds at most: a few hundred
+# thousand tasks, seconds and a few hundred MB (a 64-stage 1T-parameter plan of SC21 has 32,768).
+MAX_SIMULATED_PASSES = 2**17
+
+
 def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = None) -> Simulation:
     """Simulate one step of `plan`. `schedule` "zb-h1" replaces a 1F1B plan's schedule by ZB-H1
     (the plan's own schedule otherwise)."""
@@ -673,6 +678,12 @@ def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = No
     elif schedule is not None:
         plan = plan.replace(schedule=schedule)
     analytic = predict(model, system, plan, dtype)  # validates the plan
+    passes = plan.pp * plan.vpp * plan.microbatches
+    if passes > MAX_SIMULATED_PASSES:  # the task graph grows with it: refuse before building it
+        raise PerfsimError(f"simulating {plan.pp} stages x {plan.vpp} chunks x {plan.microbatches:,} micro-batches = "
+                           f"{passes:,} forward passes is more than the event simulation takes "
+                           f"({MAX_SIMULATED_PASSES:,}, about ten seconds); use the closed form (perfsim predict), "
+                           f"or fewer micro-batches (--gbs / (--mbs x dp))")
     c = columns_of(plan)
     peak = peak_flops(system, dtype)
     costs = step_costs(model, system, c, stage_costs(model, system, c, peak), stage_phases(model, system, c, peak),

@@ -110,9 +110,10 @@ def chrome_trace(result: SimResult, max_events: int = TRACE_EVENTS) -> dict:
 
 def write_trace(result: SimResult, path: str, max_events: int = TRACE_EVENTS) -> str:
     """Write the Chrome trace; returns a note on sampling ("" when every stage is shown)."""
+    from perfsim.files import write_output
+
     trace = chrome_trace(result, max_events)
-    with open(path, "w") as fh:
-        json.dump(trace, fh, separators=(",", ":"))
+    write_output(path, "--trace", json.dumps(trace, separators=(",", ":")), example="step.json")
     note = trace["otherData"]["note"]
     return "" if note == "every stage shown" else note
 
@@ -180,6 +181,8 @@ def write_html(result: SimResult, path: str, title: str = "", max_bars: int = CH
     """Write the chart as one self-contained HTML file; returns a note on sampling ("" if none)."""
     import plotly.io as pio
 
+    from perfsim.files import write_output
+
     fig, note = timeline_figure(result, title, max_bars)
-    pio.write_html(fig, path, include_plotlyjs=True, full_html=True)
+    write_output(path, "--html", pio.to_html(fig, include_plotlyjs=True, full_html=True), example="step.html")
     return note
