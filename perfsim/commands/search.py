@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from perfsim.errors import PerfsimError
+
 
 def register(sub) -> None:
     from perfsim.cli import _positive, finite_number
@@ -33,10 +35,14 @@ def register(sub) -> None:
 def run(args) -> None:
     from perfsim.search import parse_fixes, search, stderr_progress
     from perfsim.spec.model import load_model
+    from perfsim.spec.plan import device_count_problem
     from perfsim.spec.system import load_system
 
     model, system = load_model(args.model), load_system(args.system)
     devices = args.devices if args.devices is not None else args.nodes * system.node.devices_per_node
+    too_many = device_count_problem(devices)
+    if too_many:  # before enumerating the plans
+        raise PerfsimError(too_many)
     result = search(model, system, devices, args.gbs, parse_fixes(args.fix), top=args.top, rank=args.rank,
                     dtype=args.dtype, progress=None if args.quiet else stderr_progress)
     if args.json:

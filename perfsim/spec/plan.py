@@ -17,6 +17,9 @@ ATTENTION = ("unfused", "flash")  # the attention core as two GEMMs and a softma
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
 LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
+# Devices one plan may span: the topology model lays out every collective group rank by rank (a
+# million-device data-parallel group takes it ~5 s and ~0.5 GB; the largest machines have ~10^5).
+LARGEST_DEVICE_COUNT = 2**20
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,14 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def device_count_problem(devices: int) -> str | None:
+    """Why perfsim cannot model `devices` devices (None if it can)."""
+    if devices <= LARGEST_DEVICE_COUNT:
+        return None
+    return (f"{devices:,} devices is more than perfsim models (at most {LARGEST_DEVICE_COUNT:,}: its topology "
+            f"model lays out every collective group rank by rank)")
+
+
 def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> list[str]:
     """Every reason `plan` cannot train `model` (on `devices` devices, when given); empty if none."""
     reasons = []
@@ -67,6 +78,8 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
             reasons.append(f"{name} {value} is implausibly large (at most {LARGEST_SIZE})")
     if reasons:
         return reasons
+    if plan.devices > LARGEST_DEVICE_COUNT:
+        return [f"tp x pp x dp = {device_count_problem(plan.devices)}"]
     if plan.tp_mode not in TP_MODES:
         reasons.append(f"tp_mode must be one of {', '.join(TP_MODES)}, got {plan.tp_mode!r}")
     else:
