@@ -11,6 +11,7 @@ twins of spec.plan.plan_problems (tests/test_search.py checks they agree plan by
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,34 +22,58 @@ from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import Prediction, evaluate, predict
 from perfsim.spec.model import ModelSpec
-from perfsim.spec.plan import DIMENSIONS, RECOMPUTE, SCHEDULES, TP_MODES, Plan
+from perfsim.spec.plan import DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
 from perfsim.spec.system import System
 
 INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs")
 BOOL_KNOBS = ("sp", "tp_regather")
-TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE,
-              "order": tuple("-".join(p) for p in itertools.permutations(DIMENSIONS))}
+TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS}
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
+MOST_CANDIDATES = 10_000_000  # candidate plans before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
+
+
+class WholeNumbers:
+    """The allowed values of a whole-number knob as ranges, so that `pp=1..10**30` costs no more
+    than `pp=1..32`: membership is arithmetic, nothing is listed."""
+
+    def __init__(self, spans=()):
+        self.spans = tuple(r for r in spans if r.start < r.stop)  # len() overflows past 2**63
+
+    def __contains__(self, value) -> bool:
+        return isinstance(value, (int, np.integer)) and any(int(value) in r for r in self.spans)
+
+    def __or__(self, other: "WholeNumbers") -> "WholeNumbers":
+        return WholeNumbers(self.spans + other.spans)
+
+    def __and__(self, other: "WholeNumbers") -> "WholeNumbers":
+        return WholeNumbers(range(max(a.start, b.start), min(a.stop, b.stop)) for a in self.spans for b in other.spans)
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
 
 
 def parse_fixes(items: list[str]) -> dict:
-    """`KNOB=VALUE`, `KNOB=V1,V2` or `KNOB=LOW..HIGH` (whole numbers) into knob -> allowed set."""
+    """`KNOB=VALUE`, `KNOB=V1,V2` or `KNOB=LOW..HIGH` (whole numbers; a range may be of any size)
+    into knob -> allowed values (a set, or WholeNumbers for whole-number knobs)."""
     fixes: dict = {}
     for item in items:
         knob, sep, text = item.partition("=")
         knob = knob.strip().replace("-", "_")
         if not sep or not text:
             raise PerfsimError(f"--fix {item!r}: expected KNOB=VALUE, e.g. --fix tp_mode=1d --fix zero=1 --fix pp=8..32")
-        values = set()
+        values = WholeNumbers() if knob in INT_KNOBS else set()
         for part in text.split(","):
             part = part.strip()
             if knob in INT_KNOBS:
                 low, dots, high = part.partition("..")
                 try:
-                    values |= set(range(int(low), int(high) + 1)) if dots else {int(part)}
+                    span = range(int(low), int(high) + 1) if dots else range(int(part), int(part) + 1)
                 except ValueError:
                     raise PerfsimError(f"--fix {item!r}: {knob} takes whole numbers or LOW..HIGH") from None
+                if span.start >= span.stop:
+                    raise PerfsimError(f"--fix {item!r}: the range {part} is empty; write LOW..HIGH with LOW <= HIGH")
+                values |= WholeNumbers((span,))
             elif knob in BOOL_KNOBS:
                 if part.lower() not in ("true", "false", "1", "0"):
                     raise PerfsimError(f"--fix {item!r}: {knob} takes true or false")
@@ -67,7 +92,9 @@ def parse_fixes(items: list[str]) -> dict:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt n) steps (a device count may be a large prime)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def allowed_values(fixes: dict, knob: str, values):
@@ -88,10 +115,9 @@ def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
         q3 = round(tp ** (1 / 3))
         if q3 ** 3 == tp:
             configs += [("3d", tp, 1, False, regather) for regather in (False, True)]
-        for depth in range(2, tp + 1):
-            q = round((tp / depth) ** 0.5) if tp % depth == 0 else 0
-            if q > 1 and q * q * depth == tp:
-                configs.append(("2.5d", tp, depth, False, False))
+        for q in range(math.isqrt(tp // 2), 1, -1):  # tp = q x q x depth with depth >= 2, shallowest first
+            if tp % (q * q) == 0:
+                configs.append(("2.5d", tp, tp // (q * q), False, False))
     return [c for c in configs
             if ("tp_mode" not in fixes or c[0] in fixes["tp_mode"])
             and ("tp_depth" not in fixes or c[2] in fixes["tp_depth"])
@@ -100,27 +126,38 @@ def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
 
 
 def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
-    """(schedule index, vpp): GPipe and 1F1B, and interleaved with every chunk count dividing the stage."""
+    """(schedule index, vpp): GPipe and 1F1B, and interleaved with every chunk count dividing the
+    stage. With one stage there is no pipeline: GPipe's order only keeps more micro-batches alive
+    (same time, more memory), so it is a candidate only where --fix leaves no 1F1B."""
     out = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b")]
     if pp > 1 and model.layers % pp == 0:
-        stage = model.layers // pp
-        out += [(SCHEDULES.index("interleaved"), v) for v in range(2, stage + 1) if stage % v == 0]
-    return [(s, v) for s, v in out
-            if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"]) and ("vpp" not in fixes or v in fixes["vpp"])]
+        out += [(SCHEDULES.index("interleaved"), v) for v in _divisors(model.layers // pp) if v > 1]
+    allowed = [(s, v) for s, v in out
+               if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"]) and ("vpp" not in fixes or v in fixes["vpp"])]
+    return sorted(allowed, key=lambda sv: SCHEDULES[sv[0]] != "1f1b")[:1] if pp == 1 else allowed
 
 
 def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
-    """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode."""
+    """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode.
+    Without data parallelism the ZeRO stage changes nothing (one replica has nothing to shard), so
+    such plans come once, with the lowest stage --fix allows."""
     zeros = allowed_values(fixes, "zero", (0, 1, 2, 3))
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
     mbs_all = allowed_values(fixes, "mbs", _divisors(gbs))
     by_mode: dict = {}
+    count = 0
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
         for pp in allowed_values(fixes, "pp", _divisors(devices // tp)):
             dp = devices // (tp * pp)
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue
-            for (schedule, vpp), mbs in itertools.product(_schedules(model, pp, fixes), mbs_all):
+            schedules = _schedules(model, pp, fixes)
+            count += len(schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes)
+            if count > MOST_CANDIDATES:
+                raise PerfsimError(f"the search space for {devices:,} devices and global batch {gbs:,} holds more than "
+                                   f"{MOST_CANDIDATES:,} candidate plans (the most perfsim searches); narrow it with "
+                                   "--fix, e.g. --fix tp=1..8 --fix mbs=1..4 --fix zero=1")
+            for (schedule, vpp), mbs in itertools.product(schedules, mbs_all):
                 by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs))
     for mode, rows in by_mode.items():
         head = np.array(rows, dtype=float)
@@ -129,7 +166,22 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
         tail = np.tile(inner, (len(head), 1))
         cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs"), table.T))
         cols.update(zero=tail[:, 0], recompute=tail[:, 1], gbs=np.full(len(table), float(gbs)))
-        yield mode, cols
+        keep = (cols["dp"] > 1) | (cols["zero"] == zeros[0])
+        yield mode, {k: v[keep] for k, v in cols.items()}
+
+
+def order_rows(cols: dict, orders) -> dict:
+    """For each rank order of `orders`, the rows (a mask) it is a candidate for: orders that differ
+    only in where size-1 dimensions sit number the ranks alike, so a row takes the first of them."""
+    sizes = [np.asarray(cols[d]) > 1 for d in DIMENSIONS]
+    pattern = sum(big.astype(int) << k for k, big in enumerate(sizes))
+    rows = {}
+    for order in orders:
+        canonical_in = [p for p in range(1 << len(DIMENSIONS))
+                        if canonical_order(order, *(2 if p >> k & 1 else 1 for k in range(len(DIMENSIONS))),
+                                           orders=orders) == order]
+        rows[order] = np.isin(pattern, canonical_in)
+    return rows
 
 
 def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str, np.ndarray]]:
@@ -193,40 +245,42 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     evaluated = feasible = 0
     kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
     orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
-    groups = list(candidates(model, devices, gbs, fixes))
-    space = sum(len(cols["tp"]) for _, cols in groups) * len(orders)
-    for mode, cols in groups:
-        n = len(cols["tp"])
-        invalid = np.zeros(n, dtype=bool)
+    groups = [(mode, cols, order_rows(cols, orders)) for mode, cols in candidates(model, devices, gbs, fixes)]
+    space = sum(int(mask.sum()) for _, _, rows in groups for mask in rows.values())
+    for mode, cols, rows in groups:
+        times = sum(mask.astype(int) for mask in rows.values())  # the rank orders each row stands for
+        invalid = np.zeros(len(cols["tp"]), dtype=bool)
         for reason, mask in rejection_reasons(model, mode, cols):
             new = mask & ~invalid
             if new.any():
-                rejected[reason] = rejected.get(reason, 0) + int(new.sum()) * len(orders)
+                rejected[reason] = rejected.get(reason, 0) + int(times[new].sum())
             invalid |= mask
-        valid = np.flatnonzero(~invalid)
-        for order, chunk in itertools.product(orders, range(0, len(valid), BATCH)):
-            index = valid[chunk: chunk + BATCH]
-            sub = {k: v[index] for k, v in cols.items()}
-            c = Columns(tp=sub["tp"], pp=sub["pp"], dp=sub["dp"], vpp=sub["vpp"], mbs=sub["mbs"], gbs=sub["gbs"],
-                        sp=sub["sp"], zero=sub["zero"], recompute=sub["recompute"], schedule=sub["schedule"],
-                        tp_depth=sub["tp_depth"], regather=sub["regather"], tp_mode=mode, order=order)
-            r = evaluate(model, system, c, dtype)
-            evaluated += len(index)
-            fits = np.asarray(r["fits"], dtype=bool)
-            if (~fits).any():
-                rejected["does not fit in device memory"] = rejected.get("does not fit in device memory", 0) + int((~fits).sum())
-            feasible += int(fits.sum())
-            ok = np.flatnonzero(fits)
-            if len(ok):
-                score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
-                speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
-                best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
-                chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
-                position = {int(i): j for j, i in enumerate(ok)}
-                kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
-                          float(memory[position[i]])) for i in chosen]
-            if progress and space > 1_000_000:
-                progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
+        for order in orders:
+            valid = np.flatnonzero(rows[order] & ~invalid)
+            for chunk in range(0, len(valid), BATCH):
+                index = valid[chunk: chunk + BATCH]
+                sub = {k: v[index] for k, v in cols.items()}
+                c = Columns(tp=sub["tp"], pp=sub["pp"], dp=sub["dp"], vpp=sub["vpp"], mbs=sub["mbs"], gbs=sub["gbs"],
+                            sp=sub["sp"], zero=sub["zero"], recompute=sub["recompute"], schedule=sub["schedule"],
+                            tp_depth=sub["tp_depth"], regather=sub["regather"], tp_mode=mode, order=order)
+                r = evaluate(model, system, c, dtype)
+                evaluated += len(index)
+                fits = np.asarray(r["fits"], dtype=bool)
+                if (~fits).any():
+                    too_big = "does not fit in device memory"
+                    rejected[too_big] = rejected.get(too_big, 0) + int((~fits).sum())
+                feasible += int(fits.sum())
+                ok = np.flatnonzero(fits)
+                if len(ok):
+                    score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
+                    speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
+                    best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
+                    chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
+                    position = {int(i): j for j, i in enumerate(ok)}
+                    kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
+                              float(memory[position[i]])) for i in chosen]
+                if progress and space > 1_000_000:
+                    progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
     seconds = time.perf_counter() - start
     if feasible == 0:
         raise PerfsimError(_nothing_fits(evaluated, rejected, devices, gbs))

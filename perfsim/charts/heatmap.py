@@ -89,19 +89,26 @@ class Grid:
 
     def add(self, event) -> None:
         if isinstance(event, Rejected):
-            orders = event.orders if "order" in (self.x, self.y) else [None]
-            weight = 1 if "order" in (self.x, self.y) else len(event.orders)
-            for order in orders:
-                pairs, inverse = self._groups(event.mode, order, event.cols)
-                inverse = inverse.reshape(-1)
-                total = np.bincount(inverse, minlength=len(pairs))
+            # a row counts once per rank order it is a candidate for: in that order's cell when
+            # order is an axis, else as many times in its cell
+            if "order" in (self.x, self.y):
+                parts = [(order, rows, rows.astype(int)) for order, rows in event.order_rows.items()]
+            else:
+                times = sum(rows.astype(int) for rows in event.order_rows.values())
+                parts = [(None, times > 0, times)]
+            for order, rows, times in parts:
+                if not rows.any():
+                    continue
+                pairs, inverse = self._groups(event.mode, order, {k: v[rows] for k, v in event.cols.items()})
+                inverse, times = inverse.reshape(-1), times[rows]
+                total = np.bincount(inverse, weights=times, minlength=len(pairs))
                 for j, pair in enumerate(pairs):
-                    self._cell(tuple(pair)).candidates += int(total[j]) * weight
+                    self._cell(tuple(pair)).candidates += int(total[j])
                 for reason, mask in event.reasons:
-                    counts = np.bincount(inverse[mask], minlength=len(pairs))
+                    counts = np.bincount(inverse[mask[rows]], weights=times[mask[rows]], minlength=len(pairs))
                     for j in np.flatnonzero(counts):
                         rejected = self._cell(tuple(pairs[j])).rejected
-                        rejected[reason] = rejected.get(reason, 0) + int(counts[j]) * weight
+                        rejected[reason] = rejected.get(reason, 0) + int(counts[j])
             return
         if not isinstance(event, Batch):
             return

@@ -5,13 +5,15 @@ from __future__ import annotations
 from perfsim.charts._common import plan_label
 from perfsim.errors import PerfsimError
 from perfsim.predict import predict
+from perfsim.spec.plan import canonical
 
 
 def plan_set(model, system, plan=None, devices: int | None = None, gbs: int | None = None, top: int = 5,
-             fixes: dict | None = None, dtype: str = "bf16", pareto: bool = False) -> tuple:
+             fixes: dict | None = None, dtype: str = "bf16", pareto: bool = False, result=None) -> tuple:
     """([(label, Prediction)], note): `plan` first (labelled "your plan"), then the search's
-    `top` best plans for the same devices and global batch (or its Pareto front), without repeats.
-    The note says what could not be added."""
+    `top` best plans for the same devices and global batch (or its Pareto front), without repeats
+    (plans equal up to choices that change nothing, spec.plan.canonical, are one). `result`: that
+    search done already, with at least `top` plans. The note says what could not be added."""
     out, note = [], ""
     if plan is not None:
         out.append(("your plan", predict(model, system, plan, dtype)))
@@ -21,15 +23,18 @@ def plan_set(model, system, plan=None, devices: int | None = None, gbs: int | No
         from perfsim.search import search
 
         try:
-            result = search(model, system, devices, gbs, fixes, top=max(top, 1), dtype=dtype)
+            result = result or search(model, system, devices, gbs, fixes, top=max(top, 1), dtype=dtype)
             found = result.pareto if pareto else result.plans[:top]
             kind = "Pareto" if pareto else "search"
-            seen = {p.plan for _, p in out}
+            shown = [canonical(p.plan) for _, p in out]
             for n, p in enumerate(found, 1):
-                if p.plan in seen:
-                    out[[q.plan for _, q in out].index(p.plan)] = (f"your plan = {kind} #{n}", p)
+                if canonical(p.plan) in shown:
+                    where = shown.index(canonical(p.plan))
+                    if out[where][0] == "your plan":
+                        out[where] = (f"your plan = {kind} #{n}", out[where][1])
                     continue
                 out.append((f"{kind} #{n}", p))
+                shown.append(canonical(p.plan))
         except PerfsimError as exc:
             if not out:
                 raise

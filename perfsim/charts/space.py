@@ -8,7 +8,6 @@ that can be best when the hardware changes, `heatmap.Grid` reduces the batches t
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +15,8 @@ import numpy as np
 from perfsim.cost.columns import Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
-from perfsim.search import BATCH, TEXT_KNOBS, allowed_values, candidates, pareto_front, plan_at, rejection_reasons
+from perfsim.search import (BATCH, TEXT_KNOBS, allowed_values, candidates, order_rows, pareto_front, plan_at,
+                            rejection_reasons)
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -25,9 +25,9 @@ from perfsim.spec.system import System
 class Rejected:
     """The candidates of one tensor-parallel mode and the first reason each invalid one fails."""
     mode: str
-    cols: dict            # every candidate of the mode (numpy columns), for every rank order
+    cols: dict            # every candidate of the mode (numpy columns)
     reasons: list         # (reason, mask): plans that fail this reason and none before it
-    orders: list          # rank orders each candidate row stands for
+    order_rows: dict      # rank order -> the rows it is a candidate for (search.order_rows)
 
 
 @dataclass
@@ -53,28 +53,29 @@ def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict 
     orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
     counts = {"candidates": 0, "evaluated": 0, "feasible": 0}
     for mode, cols in candidates(model, devices, gbs, fixes):
-        n = len(cols["tp"])
-        counts["candidates"] += n * len(orders)
-        invalid = np.zeros(n, dtype=bool)
+        rows = order_rows(cols, orders)
+        counts["candidates"] += sum(int(mask.sum()) for mask in rows.values())
+        invalid = np.zeros(len(cols["tp"]), dtype=bool)
         first = []
         for reason, mask in rejection_reasons(model, mode, cols):
             new = np.asarray(mask & ~invalid, dtype=bool)
             if new.any():
                 first.append((reason, new))
             invalid |= mask
-        event = Rejected(mode, cols, first, orders)
+        event = Rejected(mode, cols, first, rows)
         for c in consumers:
             c.add(event)
-        valid = np.flatnonzero(~invalid)
-        for order, chunk in itertools.product(orders, range(0, len(valid), BATCH)):
-            index = valid[chunk: chunk + BATCH]
-            sub = {k: v[index] for k, v in cols.items()}
-            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
-            counts["evaluated"] += len(index)
-            counts["feasible"] += int(np.count_nonzero(r["fits"]))
-            batch = Batch(mode, order, sub, r)
-            for c in consumers:
-                c.add(batch)
+        for order in orders:
+            valid = np.flatnonzero(rows[order] & ~invalid)
+            for chunk in range(0, len(valid), BATCH):
+                index = valid[chunk: chunk + BATCH]
+                sub = {k: v[index] for k, v in cols.items()}
+                r = evaluate(model, system, to_columns(mode, order, sub), dtype)
+                counts["evaluated"] += len(index)
+                counts["feasible"] += int(np.count_nonzero(r["fits"]))
+                batch = Batch(mode, order, sub, r)
+                for c in consumers:
+                    c.add(batch)
     return counts
 
 

@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("--gbs", type=_positive, required=True, help="global batch size (sequences)")
     p.add_argument("--top", type=_positive, default=10, help="how many plans to show (default 10)")
     p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
-                   help="restrict a knob (plan field names): tp_mode=1d, zero=1, pp=8,16, mbs=1..4, sp=true; repeatable")
+                   help="restrict a knob (plan field names): tp_mode=1d, zero=1, pp=8,16, mbs=1..4, sp=true; repeatable; "
+                        "a range may be of any size; a space of more than 10 million plans is refused")
     p.add_argument("--rank", default="throughput", choices=("throughput", "time-to-train", "device-hours", "memory-headroom"),
                    help="order of the results; for a fixed device count the first three agree (default throughput)")
     p.add_argument("--tokens", type=finite_number(0, 1e18), default=300e9,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("unfused", "flash")  # the attention core as two GEMMs and a softmax, or one fused kernel
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
+ORDERS = tuple("-".join(p) for p in itertools.permutations(DIMENSIONS))  # every rank order, DEFAULT_ORDER first
 LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
 # Devices one plan may span: the topology model lays out every collective group rank by rank (a
 # million-device data-parallel group takes it ~5 s and ~0.5 GB; the largest machines have ~10^5).
@@ -57,6 +59,25 @@ class Plan:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def canonical_order(order: str, tp: int, dp: int, pp: int, orders=ORDERS) -> str:
+    """The first of `orders` that numbers the ranks as `order` does. A dimension of size 1 takes
+    no place in the numbering, so orders that differ only in where it sits are one layout."""
+    sizes = {"tp": tp, "dp": dp, "pp": pp}
+
+    def placed(o: str) -> list:
+        return [d for d in o.split("-") if sizes[d] > 1]
+
+    return next((o for o in orders if placed(o) == placed(order)), order)
+
+
+def canonical(plan: Plan) -> Plan:
+    """`plan` with the choices that change nothing written one way, so that equal plans compare
+    equal: the place of size-1 dimensions in the rank order, and the ZeRO stage without data
+    parallelism (one replica has nothing to shard)."""
+    return plan.replace(order=canonical_order(plan.order, plan.tp, plan.dp, plan.pp),
+                        zero=plan.zero if plan.dp > 1 else 0)
 
 
 def device_count_problem(devices: int) -> str | None:
