@@ -60,8 +60,8 @@ def run_cli(capsys):
 
 def run_rank_check(tmp_path_factory, module: str, world: int, *args: str) -> dict:
     """Run `python -m MODULE OUT ARGS...` as `world` gloo ranks of one thread each
-    (validate.campaign.launch_ranks) and return what rank 0 wrote, checked to come from `world` ranks."""
-    from validate.campaign import launch_ranks
+    (validate.launcher.launch_ranks) and return what rank 0 wrote, checked to come from `world` ranks."""
+    from validate.launcher import launch_ranks
 
     out = tmp_path_factory.mktemp(module.rsplit(".", 1)[-1]) / f"world{world}.json"
     launch_ranks(["-W", "ignore::FutureWarning", "-m", module, str(out), *args], world, threads=1,

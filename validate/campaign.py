@@ -1,4 +1,4 @@
-"""A calibration campaign: what each rank does, and the local launcher.
+"""A calibration campaign: what each rank does, and its local launch (validate.launcher).
 
 Every rank runs the same list of points (validate.microbench.build_points) in the same order;
 rank 0 keeps the ledger, tells the others which points are still to do, and shows progress.
@@ -15,9 +15,7 @@ the local launcher.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -65,11 +63,6 @@ def rank_environment(environ=None) -> Ranks:
 
 
 DERIVED_PLAN_KEYS = ("dp", "gbs")  # each rank derives them from the world size
-# glibc serves allocations above 32 MiB with fresh mmap pages, so every large CPU tensor pays
-# page faults (2-3 GB/s on the project's VM, against 10-30 GB/s for the kernel itself). Keeping
-# freed memory in the heap makes the CPU behave like a GPU's caching allocator; validation runs
-# set the same (docs/calibration.md). A value already in the environment wins.
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
 @dataclass(frozen=True)
@@ -113,69 +106,15 @@ def worker_argv(options: Options) -> list:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch_local(options: Options, nproc: int) -> None:
+    """Run `nproc` ranks on this machine (validate.launcher) and wait for them. The caller holds
+    the ledger's lock (validate.ledger.LedgerLock) for the campaign's length; rank 0 is told so
+    (LEDGER_HELD_ENV) and writes without taking it."""
+    from validate.launcher import launch_ranks
+    from validate.ledger import LEDGER_HELD_ENV
 
-
-def launch_local(options: Options, nproc: int, stream=None) -> None:
-    """Run `nproc` ranks on this machine (like torchrun --standalone) and wait for them. If one
-    fails, the others are stopped; the error names the rank."""
-    launch_ranks(["-m", "perfsim.cli"] + worker_argv(options), nproc, options.device, options.threads)
-
-
-def launch_ranks(python_argv: list, nproc: int, device: str = "cpu", threads: int | None = None,
-                 what: str = "calibration",
-                 resume: str = "the ledger keeps what was measured, run the same command again to resume") -> None:
-    """Run `python python_argv...` as `nproc` ranks on this machine and wait for them; if one
-    fails, stop the others and raise a PerfsimError naming the rank and its last stderr line."""
-    env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc))
-    if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nproc)))
-        env.update({k: env.get(k, v) for k, v in CPU_ALLOCATOR_ENV.items()})
-    procs = []
-    for rank in range(nproc):
-        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        cmd = [sys.executable] + list(python_argv)
-        procs.append(subprocess.Popen(cmd, env=env_r, stdout=None if rank == 0 else subprocess.DEVNULL,
-                                      stderr=None if rank == 0 else subprocess.PIPE))
-    failed = None
-    try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if p.poll() not in (None, 0) and failed is None:
-                    failed = (rank, p.returncode)
-            if failed:
-                break
-            time.sleep(0.05)
-        for rank, p in enumerate(procs):
-            if p.poll() not in (None, 0) and failed is None:
-                failed = (rank, p.returncode)
-    except KeyboardInterrupt:
-        failed = (-1, -signal.SIGINT)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    if failed:
-        rank, code = failed
-        detail = ""
-        for r, p in enumerate(procs):
-            if r == rank and p.stderr is not None:
-                text = p.stderr.read().decode(errors="replace").strip().splitlines()
-                detail = f": {text[-1]}" if text else ""
-        if rank < 0:
-            raise PerfsimError("interrupted; run the same command again to resume from the ledger")
-        raise PerfsimError(f"{what} rank {rank} exited with status {code}{detail}; {resume}")
+    launch_ranks(["-m", "perfsim.cli"] + worker_argv(options), nproc, options.device, options.threads,
+                 env={LEDGER_HELD_ENV: os.path.realpath(options.ledger)})
 
 
 def run_worker(options: Options, environ=None, out=None) -> int:
@@ -186,7 +125,7 @@ def run_worker(options: Options, environ=None, out=None) -> int:
     from perfsim.spec.plan import Plan, plan_problems
     from validate import microbench as mb
     from validate.device import Device, distributed_backend, software_versions
-    from validate.ledger import Ledger, relevant_env
+    from validate.ledger import Ledger, held_for_me, relevant_env
 
     out = out or sys.stderr
     ranks = rank_environment(environ)
@@ -205,6 +144,7 @@ def run_worker(options: Options, environ=None, out=None) -> int:
         if options.device != "cpu":
             kwargs["device_id"] = device.torch_device
         dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world, **kwargs)
+    ledger = None
     try:
         model = load_model(options.model)
         plan = Plan(**options.plan)
@@ -215,13 +155,13 @@ def run_worker(options: Options, environ=None, out=None) -> int:
         points = mb.build_points(options.device, options.dtypes, model, plan, ranks.world, ranks.local_world, sweep,
                                  options.suites)
         keys = [p.key(options.device, ranks.world) for p in points]
-        ledger = None
         if ranks.rank == 0:
             context = {"device": device.describe(), "host": socket.gethostname(),
                        "software": software_versions(options.device), "env": relevant_env(environ),
                        "world": ranks.world, "ranks_per_node": ranks.local_world, "backend": backend,
                        "model": options.model, "plan": options.plan}
-            ledger = Ledger(options.ledger, context)
+            # the launcher holds the ledger's lock for us (launch_local), else rank 0 takes it
+            ledger = Ledger(options.ledger, context, lock=not held_for_me(options.ledger, environ))
             todo = [i for i, k in enumerate(keys) if not ledger.done(k)]
             done = len(points) - len(todo)
             if done:
@@ -250,10 +190,10 @@ def run_worker(options: Options, environ=None, out=None) -> int:
                 what = f"{stats['median_s'] * 1e3:.4g} ms" if stats else f"failed: {record.get('error')}"
                 print(f"[{n}/{len(todo)}, {elapsed:.0f} s, about {eta:.0f} s left] {point.describe()}: {what}",
                       file=out, flush=True)
-        if ledger is not None:
-            ledger.close()
         return len(todo)
     finally:
+        if ledger is not None:
+            ledger.close()
         if ranks.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
 """Correctness and exactness of real 2d / 2.5d / 3d tensor-parallel steps (validate.multidim), per rank.
 
 Run as ranks (`python -m validate.multidim_check OUT.json --cases 3d-none,...`, launched by
-validate.campaign.launch_ranks). For every case (mode x recompute) each rank builds the seeded
+validate.launcher.launch_ranks). For every case (mode x recompute) each rank builds the seeded
 single-process GPT (validate.gpt.GPT) as the reference, keeps its own shards of it in a
 MultiDimGPT, runs one forward and backward on the same batch and records:
 

@@ -1,7 +1,7 @@
 """Correctness and exactness of real pipeline-parallel and data-parallel training steps, per rank.
 
 Run as ranks (`python -m validate.pp_dp_check OUT.json --cases all`, launched by
-validate.campaign.launch_ranks). For every case (a Plan with pp, vpp, schedule, dp, zero and
+validate.launcher.launch_ranks). For every case (a Plan with pp, vpp, schedule, dp, zero and
 recompute; tp = 1) each rank builds the same seeded GPT, trains a single-process reference on the
 whole global batch with gradient accumulation over its micro-batches and one MasterAdam step, and
 runs the same step with validate.pipeline / validate.sharded_dp, recording:

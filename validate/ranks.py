@@ -36,6 +36,9 @@ def gloo_ranks(timeout_s: float):
     that waits longer than `timeout_s` raises, so a dead rank ends the check instead of hanging it."""
     from datetime import timedelta
 
+    from validate.launcher import die_with_launcher
+
+    die_with_launcher()
     import torch
     import torch.distributed as dist
 

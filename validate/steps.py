@@ -1,7 +1,7 @@
 """Real training steps timed and counted, one plan per launch (`perfsim validate --device D --nproc N`).
 
 Run as ranks (`python -m validate.steps OUT.json --plan JSON --model SPEC ...`, launched by
-validate.campaign.launch_ranks or mpiexec). Every rank builds the plan's training step
+validate.launcher.launch_ranks or mpiexec). Every rank builds the plan's training step
 (build_step: 1d / 1d+SP here, 2d / 2.5d / 3d in validate.multidim, pipelines in validate.pipeline,
 data parallelism in validate.sharded_dp), runs it once, then once more while the allocator's peak
 is recorded (Device.allocation_peak: what the build and the first step keep, not their
@@ -234,6 +234,9 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
 
 
 def main(argv=None) -> int:
+    from validate.launcher import die_with_launcher
+
+    die_with_launcher()
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
 

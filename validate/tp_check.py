@@ -1,7 +1,7 @@
 """Correctness and exactness of real 1D tensor-parallel training steps (validate.gpt), per rank.
 
 Run as ranks (`python -m validate.tp_check OUT.json --model SPEC --mbs B`, launched by
-validate.campaign.launch_ranks). For every case (1d and 1d+SP, recompute none/selective/full)
+validate.launcher.launch_ranks). For every case (1d and 1d+SP, recompute none/selective/full)
 each rank builds the same seeded model, keeps an unsharded copy as the single-process reference,
 shards the other, runs one forward and backward on the same batch and records:
 

@@ -155,13 +155,17 @@ def _options(args, world: int, ranks_per_node: int):
         raise PerfsimError(f"{world} ranks is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or --nproc/--nodes")
     plan["dp"] = world // (tp * pp)
     plan["gbs"] = plan.get("mbs", 1) * plan["dp"]
-    return Options(device=device, ledger=args.ledger or f"calibration-{device}.jsonl", model=model, plan=plan,
+    return Options(device=device, ledger=_ledger_path(args), model=model, plan=plan,
                    dtypes=args.dtypes or DEFAULT_DTYPES[device], suites=args.suites or SUITES, quick=args.quick,
                    max_bytes=args.max_bytes,
                    warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
                    repeats=args.repeats or (3 if args.quick else 5),
                    min_time_s=args.min_time if args.min_time is not None else (5e-4 if args.quick else 2e-3),
                    threads=args.threads)
+
+
+def _ledger_path(args) -> str:
+    return args.ledger or f"calibration-{args.device}.jsonl"
 
 
 def _default_tp(model_text: str, ranks_per_node: int, mode: str) -> int:
@@ -220,10 +224,19 @@ def run(args) -> None:
 
 
 def _run_local(args) -> None:
-    from validate.device import check_available, distributed_backend
-    from validate.ledger import check_path
+    from validate.ledger import LedgerLock, check_path
 
     system = _base_system_name(args)
+    check_path(_ledger_path(args))
+    # held for the campaign and its fit, taken first: a second campaign on this ledger is refused
+    # at once, before it imports torch or starts a rank
+    with LedgerLock(_ledger_path(args)):
+        _measure_and_fit(args, system)
+
+
+def _measure_and_fit(args, system: str) -> None:
+    from validate.device import check_available, distributed_backend
+
     out = None if args.no_fit else (args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml")
     if out:
         _check_out(out)
@@ -234,7 +247,6 @@ def _run_local(args) -> None:
     if nproc > 1:
         distributed_backend(args.device)
     options = _options(args, nproc, nproc)
-    check_path(options.ledger)
     _check_plan(options, nproc)
     from validate.campaign import launch_local
 
