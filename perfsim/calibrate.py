@@ -974,6 +974,11 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
                            + "; run `perfsim calibrate --device ...` first")
     for line in skipped_lines(ledger, problems, duplicates):
         (warn or report)(f"perfsim: warning: {line}")
+    if duplicates:  # which copy, and why that one (docs/calibration.md, "One campaign per ledger")
+        (warn or report)(f"perfsim: warning: ledger {ledger}: {len(duplicates)} point(s) measured more than once; "
+                         "the fit uses the last copy of each (the latest measurement). Copies written by two "
+                         "campaigns at once (possible before perfsim locked its ledgers) were measured on a machine "
+                         "running both: measure those points again into a fresh --ledger")
     calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock)
     report(format_report(calibration, base))
     if out:

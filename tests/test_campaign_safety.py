@@ -274,3 +274,29 @@ def test_calibrate_killed_with_kill_9_and_rerun_at_once(tmp_path):
     assert {k: v.value for k, v in resumed.values.items()} == pytest.approx(
         {k: v.value for k, v in uninterrupted.values.items()}, rel=1e-9)
     assert out.exists()
+
+
+def test_a_fit_of_a_ledger_with_repeated_points_says_which_copy_it_used(tmp_path):
+    """An older ledger that two campaigns wrote at once: the fit warns, names the copy it used
+    (the last), and fits exactly what a ledger holding only those copies gives."""
+    from ledger_sample import synthetic_ledger
+
+    from perfsim.calibrate import fit_ledger
+    from perfsim.spec.system import load_system
+
+    path = tmp_path / "twice.jsonl"
+    synthetic_ledger(path, load_system("cpu-example"))
+    lines = [x for x in path.read_text().splitlines() if x.endswith("}")]
+    slow = [json.loads(x) for x in lines[:3]]
+    for record in slow:  # the same points again, 1.4x slower (the machine ran both campaigns)
+        record["stats"]["median_s"] *= 1.4
+    path.write_text("\n".join(lines + [json.dumps(r) for r in slow]) + "\n")
+    warnings = []
+    twice = fit_ledger(str(path), "cpu-example", None, report=lambda m: None, warn=warnings.append)
+    assert sum("the last copy (line" in w for w in warnings) == 3
+    assert any("3 point(s) measured more than once; the fit uses the last copy of each" in w for w in warnings)
+    once = tmp_path / "once" / path.name
+    once.parent.mkdir()
+    once.write_text("\n".join(lines[3:] + [json.dumps(r) for r in slow]) + "\n")
+    alone = fit_ledger(str(once), "cpu-example", None, report=lambda m: None, warn=lambda m: None)
+    assert {k: v.value for k, v in twice.values.items()} == pytest.approx({k: v.value for k, v in alone.values.items()})
