@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from perfsim.errors import PerfsimError
+from perfsim.errors import PerfsimError, one_line
 
 # `perfsim predict` with no flags: the SMNG-P2 authors' 175B run (shared/reference/published.md).
 BUILTIN_CASE = {"model": "gpt3-175b", "system": "smng-p2", "nodes": 16,
@@ -100,31 +100,55 @@ PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", 
               "tp_axes", "tp_regather")
 
 
-def build_case(args):
-    """(model, system, plan) from parsed flags, applying the documented defaults."""
+def is_builtin(args) -> bool:
+    """No model, system or device count given: the built-in case, plan flags included."""
+    return args.model is None and args.system is None and args.nodes is None and args.devices is None
+
+
+def load_case(args) -> tuple:
+    """(model, system) from --model and --system, the built-in case's where left out."""
     from perfsim.spec.model import load_model
-    from perfsim.spec.plan import Plan
     from perfsim.spec.system import load_system
 
-    builtin = args.model is None and args.system is None and args.nodes is None and args.devices is None
-    model = load_model(BUILTIN_CASE["model"] if args.model is None else args.model)
-    system = load_system(BUILTIN_CASE["system"] if args.system is None else args.system)
-    given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    return (load_model(BUILTIN_CASE["model"] if args.model is None else args.model),
+            load_system(BUILTIN_CASE["system"] if args.system is None else args.system))
+
+
+def plan_flags_given(args) -> dict:
+    return {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+
+
+def device_count(args, system, fields: dict) -> int:
+    """--nodes or --devices, else the plan's own size (tp x pp x dp, 1 where left out)."""
+    if args.nodes is not None:
+        return args.nodes * system.node.devices_per_node
+    if args.devices is not None:
+        return args.devices
+    return fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
+
+
+def derived_dp(devices: int, tp: int, pp: int) -> int:
+    if devices % (tp * pp):
+        raise PerfsimError(f"{devices} devices is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or the device count")
+    return devices // (tp * pp)
+
+
+def build_case(args):
+    """(model, system, plan) from parsed flags, applying the documented defaults. A plan that
+    its derived dp leaves invalid is an error that says how dp was derived and what to give."""
+    from perfsim.spec.plan import Plan, plan_problems
+
+    builtin = is_builtin(args)
+    model, system = load_case(args)
     fields = dict(BUILTIN_CASE["plan"]) if builtin else {}
-    fields.update(given)
+    fields.update(plan_flags_given(args))
     if builtin:
         args.nodes = BUILTIN_CASE["nodes"]
     tp, pp = fields.get("tp", 1), fields.get("pp", 1)
-    if args.nodes is not None:
-        devices = args.nodes * system.node.devices_per_node
-    elif args.devices is not None:
-        devices = args.devices
-    else:
-        devices = tp * pp * fields.get("dp", 1)
-    if "dp" not in fields:
-        if devices % (tp * pp):
-            raise PerfsimError(f"{devices} devices is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or the device count")
-        fields["dp"] = devices // (tp * pp)
+    devices = device_count(args, system, fields)
+    derived = "dp" not in fields
+    if derived:
+        fields["dp"] = derived_dp(devices, tp, pp)
     fields.setdefault("gbs", fields.get("mbs", 1) * fields["dp"])
     if fields.get("vpp", 1) > 1:
         fields.setdefault("schedule", "interleaved")
@@ -132,7 +156,25 @@ def build_case(args):
     if plan.devices != devices:
         raise PerfsimError(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the "
                            f"{devices} devices; leave --dp out to derive it")
+    problems = plan_problems(plan, model) if derived else []
+    if problems:
+        raise PerfsimError(_derived_dp_problem(args, plan, problems))
     return model, system, plan
+
+
+def _derived_dp_problem(args, plan, problems: list) -> str:
+    """Why a plan with a derived dp is invalid, how dp came about, and which flags would do."""
+    import shlex
+
+    where = f"--nodes {args.nodes}" if args.nodes is not None else f"--devices {plan.devices}"
+    search = (f"perfsim search --model {shlex.quote(args.model or BUILTIN_CASE['model'])} "
+              f"--system {shlex.quote(args.system or BUILTIN_CASE['system'])} {where} --gbs {plan.gbs}")
+    batch = plan.mbs * plan.dp
+    if plan.gbs % batch == 0 and (plan.schedule != "interleaved" or plan.microbatches % plan.pp == 0):
+        return f"{'; '.join(problems)}; or run `{search}` to find a plan"  # dp is not the trouble
+    remedies = ["give --tp/--pp"] + ([f"a --gbs that is a multiple of mbs x dp = {batch}"] if plan.gbs % batch else [])
+    return (f"{'; '.join(problems)} (dp = {plan.devices} devices / (tp {plan.tp} x pp {plan.pp}) = {plan.dp}, "
+            f"derived because --dp was left out); {', or '.join(remedies)}, or run `{search}` to find a plan")
 
 
 def cmd_predict(args) -> None:
@@ -208,7 +250,7 @@ def main(argv=None) -> int:
         args = make_parser().parse_args(argv)
         args.run(args)
     except PerfsimError as exc:  # one line, whatever a quoted path or value holds
-        message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
+        message = one_line(exc)
         if len(message) > 2000:  # a value quoted whole (a megabyte-long flag, a table)
             message = message[:2000] + "... (cut)"
         print(f"perfsim: error: {message}", file=sys.stderr)

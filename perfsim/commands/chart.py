@@ -56,19 +56,66 @@ def register(sub) -> None:
 
 
 class Case:
-    """The parsed flags resolved once: model, system, plan, devices, global batch, fixes."""
+    """The parsed flags resolved once: model, system, devices, global batch, fixes and the plan.
+    The plan is the plan flags' (as `perfsim predict` reads them) for the built-in case or when
+    --tp and --pp are given; otherwise the best plan `perfsim search` finds, the plan flags given
+    kept as fixes. It is searched when first asked for (whatif, heatmap, validation never ask),
+    and `announce` hears which plan was chosen."""
 
-    def __init__(self, args):
-        from perfsim.cli import build_case
+    def __init__(self, args, announce=None):
+        from perfsim.cli import build_case, derived_dp, device_count, is_builtin, load_case, plan_flags_given
         from perfsim.search import parse_fixes
 
-        self.builtin = args.model is None and args.system is None and args.nodes is None and args.devices is None
-        self.model, self.system, self.plan = build_case(args)
-        self.devices, self.gbs = self.plan.devices, self.plan.gbs
-        self.fixes = parse_fixes(args.fix)
-        self.dtype = args.dtype
         if args.top < 0:
             raise PerfsimError(f"--top must be 0 or more, got {args.top}")
+        self.builtin = is_builtin(args)
+        self.fixes = parse_fixes(args.fix)
+        self.dtype = args.dtype
+        self.given = plan_flags_given(args)
+        self.searched = not self.builtin and not {"tp", "pp"} <= set(self.given)
+        self.chosen = ""  # how the plan was chosen, when searched
+        self.found = None  # that search's result, when its fixes are the page's (no plan flag given)
+        self._announce, self._top, self._fix_items = announce, max(args.top, 1), list(args.fix)
+        if self.searched:
+            self.model, self.system = load_case(args)
+            self.devices = device_count(args, self.system, self.given)
+            dp = self.given.get("dp") or derived_dp(self.devices, self.given.get("tp", 1), self.given.get("pp", 1))
+            self.gbs = self.given.get("gbs", self.given.get("mbs", 1) * dp)
+            self._plan = None
+        else:
+            self.model, self.system, self._plan = build_case(args)
+            self.devices, self.gbs = self._plan.devices, self._plan.gbs
+
+    @property
+    def plan(self):
+        if self._plan is None:
+            self._plan = self._best_plan()
+        return self._plan
+
+    def _best_plan(self):
+        """The search's best plan with the given plan flags as fixes (those that are no search
+        knob, like --tp-axes, set on the plan found); `chosen` says so."""
+        from perfsim.charts._common import plan_label
+        from perfsim.search import BOOL_KNOBS, INT_KNOBS, TEXT_KNOBS, parse_fixes, search
+        from perfsim.spec.plan import TP_AXES
+
+        knobs = {k: v for k, v in self.given.items() if k in INT_KNOBS + BOOL_KNOBS + tuple(TEXT_KNOBS)}
+        applied = {k: v for k, v in self.given.items() if k not in knobs and k != "gbs"}
+        axes = sorted(applied.get("tp_axes", "").split("-"))
+        fixes = [f"{k}={v}" for k, v in knobs.items()]
+        fixes += [f"tp_mode={m}" for m, names in TP_AXES.items() if sorted(names) == axes and "tp_mode" not in knobs]
+        result = search(self.model, self.system, self.devices, self.gbs, parse_fixes(self._fix_items + fixes),
+                        top=self._top, dtype=self.dtype)
+        plan = result.plans[0].plan.replace(**applied)
+        if not knobs and not applied:
+            self.found = result
+        flags = ", ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                          for k, v in self.given.items() if k != "gbs")
+        self.chosen = (f"{'no plan flags given' if not flags else 'plan flags left out'}: using the best plan "
+                       f"perfsim search finds{f' with {flags}' if flags else ''}")
+        if self._announce:
+            self._announce(f"{self.chosen}: {plan_label(plan)}")
+        return plan
 
     def node_counts(self, args) -> list:
         if args.node_counts:
@@ -114,14 +161,14 @@ def figure_for(kind: str, case: Case, args):
         from perfsim.charts import scaling
 
         modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
-        return scaling.figure(case.model, case.system, case.plan, case.node_counts(args), modes,
-                              case.strong_gbs(args), case.dtype)
+        nodes, strong_gbs = case.node_counts(args), case.strong_gbs(args)  # bad flags fail before the search
+        return scaling.figure(case.model, case.system, case.plan, nodes, modes, strong_gbs, case.dtype)
     if kind in ("memory", "breakdown"):
         from perfsim.charts import breakdown, memory
         from perfsim.charts.plans import plan_set
 
         plans, note = plan_set(case.model, case.system, case.plan, case.devices, case.gbs, args.top, case.fixes,
-                               case.dtype, args.pareto)
+                               case.dtype, args.pareto, result=case.found)
         return (memory if kind == "memory" else breakdown).figure(case.model, case.system, plans, note)
     if kind == "timeline":
         from perfsim.charts import timeline
@@ -148,11 +195,12 @@ def check_out(path: str) -> None:
 
 def run(args) -> None:
     from perfsim.charts.page import write_figure
+    from perfsim.search import stderr_progress
 
     check_out(args.out)
     if args.kind == "validation" and not args.ledger:
         raise PerfsimError("the validation chart needs --ledger FILE.jsonl (a ledger written by perfsim calibrate)")
-    case = Case(args)
+    case = Case(args, announce=stderr_progress)
     fig = figure_for(args.kind, case, args)
     size = write_figure(args.out, fig)
     print(f"wrote the {args.kind} chart to {args.out} ({size / 1e6:.1f} MB, opens offline in a browser)")

@@ -40,7 +40,8 @@ def sections(case, args, progress=None) -> list:
 
     def compared():
         if not plans:
-            plans.append(plan_set(m, s, plan, case.devices, case.gbs, args.top, case.fixes, case.dtype, args.pareto))
+            plans.append(plan_set(m, s, plan, case.devices, case.gbs, args.top, case.fixes, case.dtype, args.pareto,
+                                  result=case.found))
         return plans[0]
 
     section("Where the step time goes", lambda: breakdown.figure(m, s, *compared()))
@@ -89,11 +90,12 @@ def run(args) -> None:
     from perfsim.search import stderr_progress
 
     check_out(args.out)
-    case = Case(args)
+    case = Case(args, announce=stderr_progress)
     p = predict(case.model, case.system, case.plan, case.dtype)  # an invalid plan stops here, with its reasons
     from perfsim.charts._common import GIB, case_line, plan_label
 
-    lead = (f"{case_line(case.model, case.system, case.devices, case.gbs)}; plan: {plan_label(case.plan, short=False)}. "
+    lead = (f"{case_line(case.model, case.system, case.devices, case.gbs)}; plan"
+            + (f" ({case.chosen})" if case.chosen else "") + f": {plan_label(case.plan, short=False)}. "
             f"Predicted: {p.step_time_s:.2f} s per step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, peak memory "
             f"{p.memory_bytes['total'] / GIB:.1f} of {p.device_memory_bytes / GIB:.1f} GiB per device"
             + ("" if p.fits else " (does not fit)") + ". Every chart is interactive: hover for details, drag to zoom, "
