@@ -30,7 +30,7 @@ BOOL_KNOBS = ("sp", "tp_regather")
 TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS}
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
-MOST_CANDIDATES = 10_000_000  # candidate plans before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
+MOST_CANDIDATES = 10_000_000  # before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
 
 
 class WholeNumbers:
@@ -132,8 +132,8 @@ def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
     out = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b")]
     if pp > 1 and model.layers % pp == 0:
         out += [(SCHEDULES.index("interleaved"), v) for v in _divisors(model.layers // pp) if v > 1]
-    allowed = [(s, v) for s, v in out
-               if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"]) and ("vpp" not in fixes or v in fixes["vpp"])]
+    allowed = [(s, v) for s, v in out if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"])
+               and ("vpp" not in fixes or v in fixes["vpp"])]
     return sorted(allowed, key=lambda sv: SCHEDULES[sv[0]] != "1f1b")[:1] if pp == 1 else allowed
 
 
