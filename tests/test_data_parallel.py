@@ -13,18 +13,28 @@ from perfsim.cost.topology import TopologyCommModel
 @pytest.fixture
 def case():
     system = perfsim.load_system("smng-p2")
-    system = dataclasses.replace(system, framework=dataclasses.replace(system.framework, dp_overlap=1.0))
-    c = columns_of(perfsim.Plan(tp=4, pp=4, dp=4, zero=2, mbs=1, gbs=32))
+    c = dataclasses.replace(columns_of(perfsim.Plan(tp=4, pp=4, dp=4, zero=2, mbs=1, gbs=32)), dp_overlap=1)
     return system, TopologyCommModel(system), c
 
 
-def test_zero2_overlap_hides_no_more_than_the_backward_pass(case):
+@pytest.mark.parametrize("buckets", [1, 4, 12])
+def test_zero2_overlap_exposes_the_last_bucket_and_what_the_backward_cannot_hide(case, buckets):
+    """n buckets, bucket j ready after j/n of the backward B, reduced one after another in S/n
+    each: the last ends at B + S/n when each fits in its B/n, else at B/n + S; exposed is that
+    less B (written out per bucket here, not as perfsim's closed form)."""
     system, comm, c = case
     params = 1e9
     scatter, _ = zero_microbatch_times(system, comm, c, params)
-    for backward in (0.0, 0.25 * float(scatter), 10 * float(scatter)):
-        exposed = microbatch_reduction_time(system, comm, c, params, busy=0.0, backward=backward)
-        assert float(exposed) == pytest.approx(max(float(scatter) - backward, 0.0))
+    scatter = float(scatter)
+    for backward in (0.0, 0.25 * scatter, 10 * scatter):
+        end = 0.0
+        for j in range(1, buckets + 1):
+            end = max(end, backward * j / buckets) + scatter / buckets
+        exposed = microbatch_reduction_time(system, comm, c, params, busy=0.0, backward=backward, buckets=buckets)
+        assert float(exposed) == pytest.approx(end - backward)
+    off = dataclasses.replace(c, dp_overlap=0)
+    assert float(microbatch_reduction_time(system, comm, off, params, 0.0, 10 * scatter, buckets=buckets)) == \
+        pytest.approx(scatter)
 
 
 def test_zero1_exposes_nothing_per_micro_batch(case):

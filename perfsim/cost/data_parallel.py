@@ -13,8 +13,11 @@ Per step, for N parameters on a device and a data-parallel group of d:
   prefetched, so only what exceeds the micro-batch's compute is exposed; the framework's optional
   zero3_overlap (default 1) says what share can hide at all (0 where communication has no core
   or stream of its own, as for CPU ranks on one core each).
-The framework's dp_overlap says what share of a gradient reduction hides behind the backward pass
-that produces it (ZeRO 0-2); the weight all-gather follows the optimizer step and never hides.
+Without overlap (plan field dp_overlap false) a reduction starts when the backward pass has ended
+and the weight all-gather after the optimizer step. With it (Megatron-Core's --overlap-grad-reduce
+and --overlap-param-gather, DeepSpeed's overlap_comm) both run bucket by bucket, one bucket per
+layer, beside the compute that produces or needs them: only the last bucket, and what does not fit
+behind that compute, is exposed (`overlapped_exposure`).
 
 With framework.zero_implementation = "fsdp2" (torch's fully_shard, section 6.2) ZeRO-2 also
 reduce-scatters and gathers one module at a time, ZeRO-3 gathers twice per micro-batch even under
@@ -69,14 +72,22 @@ def zero3_units(model, c: Columns, stage: str):
     return model.layers / c.pp + edges
 
 
-def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward, units=1):
-    """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter less the
-    dp_overlap share, which can hide only behind the micro-batch's `backward` time; ZeRO-3's
+def overlapped_exposure(total, window, buckets):
+    """Exposed seconds of `total` seconds of communication issued in `buckets` equal pieces, each
+    as soon as a compute phase of `window` seconds has produced it (or, mirrored, needed before
+    that phase reaches it), one after another on a stream of their own: the last piece always,
+    and whatever does not fit behind the window (docs/equations.md 6.1)."""
+    return np.maximum(total / buckets, total - window * (buckets - 1) / buckets)
+
+
+def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward, units=1, buckets=1):
+    """Exposed data-parallel time of one micro-batch: ZeRO-2's gradient reduce-scatter, overlapped
+    with the micro-batch's `backward` in `buckets` pieces when the plan overlaps; ZeRO-3's
     gathers and reduce-scatters, one per module of the `units` the stage has, less the
     zero3_overlap share of them that hides behind the `busy` compute time; FSDP2's buffer copies,
     which run on the compute stream and never hide."""
     scatter2, _ = zero_microbatch_times(system, comm, c, params, units if is_fsdp2(system) else 1)
-    zero2 = scatter2 - np.minimum(system.framework.dp_overlap * scatter2, backward)
+    zero2 = np.where(c.dp_overlap, overlapped_exposure(scatter2, backward, buckets), scatter2)
     scatters, gather = zero_microbatch_times(system, comm, c, params, units)
     gathers = zero3_gathers(system, c) * gather
     zero3 = gathers + scatters - np.minimum(system.framework.zero3_overlap * (gathers + scatters), busy)

@@ -105,7 +105,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     for name, stage, params in (("first", first, params_first), ("middle", middle, stage_params(model, c, "middle")),
                                 ("last", last, params_last)):
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
-                                                  stage.backward, zero3_units(model, c, name))
+                                                  stage.backward, zero3_units(model, c, name), n)
     return StageCosts(first, middle, last, params_first, params_last)
 
 

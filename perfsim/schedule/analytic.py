@@ -7,8 +7,8 @@ which is SC21's (m + p - 1) T for equal stages: the bubble is (p - 1) T. They di
 (GPipe keeps all m micro-batches' activations), not in time. Interleaved 1F1B with v chunks per
 device shrinks the bubble v-fold:
     T = m max_i T_i + (p - 1)/v * mean_i T_i.
-After the pipeline drains: the data-parallel gradient reduction (less the share hidden behind the
-last backward pass), the tied-embedding gradient all-reduce between first and last stage, the
+After the pipeline drains: the data-parallel gradient reduction and weight gather (what of them
+does not hide behind the last backward and the first forward when the plan overlaps them), the tied-embedding gradient all-reduce between first and last stage, the
 optimizer step and the framework's fixed per-step overhead.
 """
 
@@ -18,7 +18,8 @@ import numpy as np
 
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
-from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
+from perfsim.cost.data_parallel import (optimizer_time, overlapped_exposure, step_reduction_time, tied_embedding_time,
+                                        zero3_units)
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -39,7 +40,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     last_is_slowest = last > first
     kinds = {k: np.where(last_is_slowest, b, a) for (k, a), b in
              zip(stages.first.kinds().items(), stages.last.kinds().values())}
-    backward = np.where(last_is_slowest, stages.last.backward, stages.first.backward)
+    slow = {k: np.where(last_is_slowest, getattr(stages.last, k), getattr(stages.first, k))
+            for k in ("backward", "forward_compute", "forward_tp")}
     breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
     # Exactly zero without a pipeline; never negative from rounding.
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
@@ -50,8 +52,13 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     use_last = stages.params_last > stages.params_first
     units = np.where(use_last, zero3_units(model, c, "last"), zero3_units(model, c, "first"))
     reduction, gather = step_reduction_time(system, comm, c, params, units)
-    hidden = np.minimum(system.framework.dp_overlap * reduction, backward)
-    breakdown["dp_comm"] = breakdown["dp_comm"] + reduction - hidden + gather
+    # Overlapped (dp_overlap): the reduction bucket by bucket (one per layer) behind the slowest
+    # stage's last backward, the gather behind the next step's first forward (docs/equations.md 9.2).
+    buckets = model.layers / p
+    reduction = np.where(c.dp_overlap, overlapped_exposure(reduction, slow["backward"], buckets), reduction)
+    gather = np.where(c.dp_overlap, overlapped_exposure(gather, slow["forward_compute"] + slow["forward_tp"], buckets),
+                      gather)
+    breakdown["dp_comm"] = breakdown["dp_comm"] + reduction + gather
 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
     breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost.columns import Columns, columns_of
-from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
-                                        tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
+from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, overlapped_exposure,
+                                        step_reduction_time, tied_embedding_time, zero3_gathers, zero3_units,
+                                        zero_microbatch_times)
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
 from perfsim.cost.topology import TopologyCommModel, nic_of
@@ -117,7 +118,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     parts = dict(zip(POSITIONS, phases))
     params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
               "last": f(stages.params_last)}
-    o = float(system.framework.dp_overlap)
+    o = float(np.asarray(c.dp_overlap))  # 1: buckets overlap the last backward (and the gather the next forward)
     layers_per_chunk = max(1, model.layers // (p * v))
     zero = int(c.zero)
 
@@ -165,7 +166,12 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
                 costs.zero_block_f[k] = costs.zero_block_f.get(k, 0.0) + gathers_f * g
                 costs.zero_block_b[k] = costs.zero_block_b.get(k, 0.0) + gathers_b * g + sc + acc * (m - 1) / m
         if zero in (1, 2):
-            costs.post_gather = per(lambda k: step_reduction_time(system, comm, c, params[k], units[k] * v)[1])
+            # overlapped, the gather runs bucket by bucket beside the next step's first forward; what
+            # of it that forward cannot hide is drawn here, where the step that needs it begins
+            gather = per(lambda k: step_reduction_time(system, comm, c, params[k], units[k] * v)[1])
+            forward = {k: costs.forward_compute[k] + costs.forward_tp[k] for k in POSITIONS}
+            costs.post_gather = {k: overlapped_exposure(g, forward[k], layers_per_chunk * v) if o else g
+                                 for k, g in gather.items()}
     _place(costs, system, c)
     return costs
 

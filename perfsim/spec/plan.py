@@ -44,6 +44,7 @@ class Plan:
     tp_axes: str = "auto"  # tensor-parallel grid axes innermost first, or heaviest traffic innermost
     tp_regather: bool = False  # 3d: re-gather X and W for backward instead of keeping the gathered copies
     attention: str = "unfused"  # the command line's default is the profile's framework.attention
+    dp_overlap: bool = False  # data-parallel reductions and gathers overlap compute, bucket by bucket
 
     @property
     def devices(self) -> int:
@@ -74,10 +75,10 @@ def canonical_order(order: str, tp: int, dp: int, pp: int, orders=ORDERS) -> str
 
 def canonical(plan: Plan) -> Plan:
     """`plan` with the choices that change nothing written one way, so that equal plans compare
-    equal: the place of size-1 dimensions in the rank order, and the ZeRO stage without data
-    parallelism (one replica has nothing to shard)."""
+    equal: the place of size-1 dimensions in the rank order, and the ZeRO stage and the overlap of
+    data-parallel communication without data parallelism (one replica has nothing to shard or send)."""
     return plan.replace(order=canonical_order(plan.order, plan.tp, plan.dp, plan.pp),
-                        zero=plan.zero if plan.dp > 1 else 0)
+                        zero=plan.zero if plan.dp > 1 else 0, dp_overlap=plan.dp_overlap and plan.dp > 1)
 
 
 def device_count_problem(devices: int) -> str | None:
@@ -113,8 +114,9 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         reasons.append(f"attention must be one of {', '.join(ATTENTION)}, got {plan.attention!r}")
     if isinstance(plan.zero, bool) or plan.zero not in (0, 1, 2, 3):
         reasons.append(f"zero must be 0, 1, 2 or 3, got {plan.zero!r}")
-    if not isinstance(plan.sp, (bool, np.bool_)):
-        reasons.append(f"sp must be true or false, got {plan.sp!r}")
+    for name in ("sp", "dp_overlap"):
+        if not isinstance(getattr(plan, name), (bool, np.bool_)):
+            reasons.append(f"{name} must be true or false, got {getattr(plan, name)!r}")
     if not isinstance(plan.order, str) or sorted(plan.order.split("-")) != sorted(DIMENSIONS):
         reasons.append(f"order must list tp, dp and pp innermost first, like {DEFAULT_ORDER}; got {plan.order!r}")
     if plan.sp and plan.tp_mode != "1d":

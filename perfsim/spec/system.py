@@ -126,7 +126,7 @@ class Collectives:
 @dataclass(frozen=True)
 class Framework:
     grad_bytes_per_param: float
-    dp_overlap: float
+    dp_overlap: float  # 0 or 1: the default of plans' dp_overlap (the stack overlaps data-parallel communication)
     reserved_memory_bytes: float
     allocator_overhead_fraction: float
     step_overhead_s: float
@@ -306,6 +306,9 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
+    if sections["framework"]["dp_overlap"] not in (0, 1):
+        raise PerfsimError(f"{where}: framework.dp_overlap.value must be 0 or 1 (whether plans overlap data-parallel "
+                           f"communication by default), got {sections['framework']['dp_overlap']!r}")
     node = sections["node"]
     if node["devices_per_node"] % node["devices_per_card"]:
         raise PerfsimError(f"{where}: node.devices_per_node must be a multiple of node.devices_per_card")
