@@ -63,19 +63,21 @@ def finite_number(low: float, high: float):
     return parse
 
 
-def _add_case_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --system, --nodes | --devices and --dtype, as predict takes them."""
-    p.add_argument("--model", help="preset name, key=value spec, or .toml file (default: gpt3-175b)")
-    p.add_argument("--system", help="profile name in hwprofiles/ or a .toml path (default: smng-p2)")
+def _add_case_flags(p: argparse.ArgumentParser, model_default: str = "gpt3-175b",
+                    system_default: str = "smng-p2") -> None:
+    """--model, --system, --nodes | --devices and --dtype, as predict takes them (a command whose
+    defaults differ says its own)."""
+    p.add_argument("--model", help=f"preset name, key=value spec, or .toml file (default: {model_default})")
+    p.add_argument("--system", help=f"profile name in hwprofiles/ or a .toml path (default: {system_default})")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=_positive)
     where.add_argument("--devices", type=_positive)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
 
 
-def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("plan (left out: the built-in case's plan if no model, system or device "
-                             "count is given, else no parallelism, micro-batch 1, one micro-batch per replica)")
+def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in case's plan if no model, system or "
+                    "device count is given, else no parallelism, micro-batch 1, one micro-batch per replica") -> None:
+    g = p.add_argument_group(f"plan (left out: {left_out})")
     g.add_argument("--tp", type=_positive, help="tensor-parallel size")
     g.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
     g.add_argument("--tp-depth", dest="tp_depth", type=_positive, help="depth d of 2.5d tensor parallelism")

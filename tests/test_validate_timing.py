@@ -5,7 +5,11 @@ clear error within the stated timeout, and what was measured stays in the ledger
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,6 +79,78 @@ def test_rounds_keep_their_own_keys_and_merge_into_one_measurement():
     assert merged["peak_memory_bytes"] == 12.0 and merged["flops"] == 5.0 and merged["rounds"] == 2
 
 
+def entry(steps: int, at_speed: int, gemm: float | None, norm: float | None) -> dict:
+    """A --json entry as far as the machine verdict reads it."""
+    return {"machine_speed": {"steps": steps, "steps_at_speed": at_speed, "probe_over_profile": gemm,
+                              "norm_probe_over_profile": norm}}
+
+
+def test_the_machine_matches_its_profile_when_half_the_timed_steps_ran_at_its_speed():
+    assert timing.machine_matches(3, 3) and timing.machine_matches(3, 6) and not timing.machine_matches(2, 5)
+    matched = timing.machine_verdict([entry(3, 3, 1.02, 0.97), entry(5, 3, 1.1, 1.2), entry(4, 2, 1.4, 1.0)])
+    assert matched == {"matches": True, "steps": 12, "steps_at_speed": 8, "gemm_over_profile": 1.1,
+                       "norm_over_profile": 1.0}
+    assert not timing.machine_verdict([entry(3, 3, 1.0, 1.0), entry(9, 2, 1.3, 1.0)])["matches"]  # 5 of 12
+    off = timing.machine_verdict([entry(9, 0, 57.0, 3.5), entry(9, 1, 40.0, 3.0), entry(9, 0, 60.0, None)])
+    assert off["matches"] is False and (off["steps"], off["steps_at_speed"]) == (27, 1)
+    assert off["gemm_over_profile"] == 57.0 and off["norm_over_profile"] == 3.25
+    # records from before the probes count every step: the machine matches
+    assert timing.machine_verdict([entry(3, 3, None, None)])["matches"]
+    text = timing.mismatch_warning(off, "cpu-calibrated", 0.15, "perfsim calibrate X", "perfsim validate Y")
+    assert text.startswith("WARNING: this machine runs GEMMs 57x slower and element-wise kernels 3.2x slower than "
+                           "profile cpu-calibrated describes") and "1 of 27 timed steps" in text
+    assert text.endswith("\n  perfsim calibrate X\n  perfsim validate Y")
+    faster = timing.mismatch_warning(timing.machine_verdict([entry(3, 0, 0.2, 1.05)]), "p", 0.15, "c", "v")
+    assert "runs GEMMs 5.0x faster than profile p describes" in faster and "element-wise" not in faster
+
+
+def test_steps_read_back_are_judged_against_the_profile_of_this_run():
+    """A ledger's steps were judged by the ranks against the profile they ran under; read back
+    under another profile (one calibrated since) or tolerance, they are judged anew."""
+    measured = {"step_times_s": [1.0, 2.0, 3.0, 4.0], "step_time_s": 2.5, "at_speed": [True] * 4,
+                "probe_s": [1.0, 1.0, 2.0, 2.0], "probe_expected_s": 1.0, "norm_probe_s": [1.0, 1.3, 1.0, 1.0],
+                "norm_probe_expected_s": 1.0}
+    again = timing.judged(measured, 1.0, 1.0, 0.15)
+    assert again["at_speed"] == [True, False, False, False] and again["step_time_s"] == 1.0
+    calibrated_since = timing.judged(measured, 2.0, 1.0, 0.15)
+    assert calibrated_since["at_speed"] == [False, False, True, True] and calibrated_since["step_time_s"] == 3.5
+    assert calibrated_since["probe_expected_s"] == 2.0
+    assert timing.judged(measured, 1.0, 1.0, float("inf"))["at_speed"] == [True] * 4
+    gemm_only = {k: v for k, v in measured.items() if not k.startswith("norm")}
+    assert timing.judged(gemm_only, 1.0, 1.0, 0.15)["at_speed"] == [True, True, False, False]
+    before_probes = {"step_times_s": [1.0, 2.0], "step_time_s": 1.5}
+    assert timing.judged(before_probes, 1.0, 1.0, 0.15) is before_probes
+
+
+def test_validate_without_torch_is_a_one_line_error(tmp_path):
+    """After `pip install .` alone: torch cannot be imported (here made so), and the command says
+    what to install, before any rank starts."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from perfsim.cli import main\n"
+            f"sys.exit(main(['validate', '--device', 'cpu', '--model', {MODEL!r}, '--plans', 'tp=2', "
+            f"'--ledger', {str(tmp_path / 'v.jsonl')!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("perfsim: error: perfsim validate --device cpu needs torch") and "Traceback" not in done.stderr
+    assert "pip install torch==2.13.0" in done.stderr and "[validate] extra" in done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "v.jsonl").exists()
+
+
+def test_validate_help_states_what_it_runs():
+    """--model and --system say the harness's defaults, not predict's (gpt3-175b on smng-p2)."""
+    from perfsim.commands.validate import HARNESS_MODEL
+
+    assert HARNESS_MODEL == timing.DEFAULT_MODEL and timing.DEFAULT_SYSTEM["cpu"] == "cpu-calibrated"
+    done = subprocess.run([sys.executable, "-m", "perfsim.cli", "validate", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    flat = "".join(done.stdout.split())
+    model_help = flat[flat.index("--modelMODELpresetname"):flat.index("--systemSYSTEMprofilename")]
+    system_help = flat[flat.index("--systemSYSTEMprofilename"):flat.index("--nodesNODES", flat.index("--systemSYSTEMp"))]
+    assert f"with--deviceor--emit-slurm,theharness'ssmallGPT{HARNESS_MODEL}" in model_help
+    assert "cpu-calibratedwith--devicecpu" in system_help and "smng-p2with--megatron-log" in system_help
+    assert "atleast12plans" in flat
+
+
 torch = pytest.importorskip("torch")
 
 
@@ -99,6 +175,7 @@ def test_json_entries_and_exact_counts(first_run):
         speed = r["machine_speed"]
         assert speed["probe_over_profile"] > 0 and 2 <= speed["steps"] <= 6
         assert speed["steps_at_speed"] == 2 or speed["steps"] == 6
+        assert r["machine_matches_profile"] is (2 * speed["steps_at_speed"] >= speed["steps"])
         # exact by construction of the harness: FLOPs and (for plain 1d) bytes sent
         assert r["flops"]["counted"] == pytest.approx(r["flops"]["predicted"], rel=1e-9)
     plain = results[0]
@@ -175,3 +252,88 @@ def test_plan_fields_added_later_keep_the_ledgers_keys():
     plan = Plan(**plans[0])
     args = (MODEL, plan, "bf16", 3, 1, "cpu", 2)
     assert timing.point_key(*args) != timing.point_key(MODEL, plan.replace(attention="flash"), *args[2:])
+
+
+def _profile_with_faster_gemms(path, factor: float) -> str:
+    """A copy of hwprofiles/cpu-calibrated.toml whose GEMM peaks are `factor` x higher: a profile
+    of a machine whose GEMMs run that much faster than this one's."""
+    from perfsim.spec.system import PROFILE_DIR
+
+    text = open(os.path.join(PROFILE_DIR, "cpu-calibrated.toml")).read()
+    def scale(match):
+        return f"{match.group(1)}{float(match.group(2)) * factor!r}"
+    text, n = re.subn(r"(\[device\.peak_flops_\w+\]\nvalue = )([0-9.e+-]+)", scale, text)
+    assert n == 3
+    path.write_text(text.replace('name = "cpu-calibrated"', 'name = "gemms-5x"'))
+    return str(path)
+
+
+def _expected_probe(system_name: str, plan_text: str) -> float:
+    from perfsim.spec.system import load_system
+    from validate.speed_probe import expected_probe_s, probe_gemm
+
+    system = timing.harness_system(load_system(system_name), "bf16")
+    return expected_probe_s(system, "bf16", probe_gemm(load_model(MODEL), timing.parse_plans(plan_text)[0]))
+
+
+def _ledger_with_a_plan_at_speed(path, plan_text: str) -> None:
+    """A validation ledger holding one plan's three timed steps, each after probes that took what
+    cpu-calibrated predicts for them (the machine it describes); no rank is run."""
+    from perfsim.spec.system import load_system
+    from validate.ledger import Ledger
+    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
+
+    plan, model = timing.parse_plans(plan_text)[0], load_model(MODEL)
+    system = timing.harness_system(load_system("cpu-calibrated"), "bf16")
+    prediction = timing.predicted(model, system, plan, "bf16")
+    gemm = expected_probe_s(system, "bf16", probe_gemm(model, plan))
+    norm = expected_norm_probe_s(system, "bf16", probe_norm(model, plan))
+    measured = {"step_times_s": [0.10, 0.11, 0.12], "step_time_s": 0.11, "at_speed": [True] * 3,
+                "probe_s": [gemm * 1.03] * 3, "probe_expected_s": gemm, "norm_probe_s": [norm * 0.97] * 3,
+                "norm_probe_expected_s": norm, "peak_memory_bytes": prediction["peak_memory_bytes"],
+                "flops": prediction["flops"], "comm_bytes": prediction["comm_bytes"],
+                "comm_bytes_by_kind": {"all_reduce": prediction["comm_bytes"]},
+                "activation_bytes": prediction["activation_bytes"]}
+    key = timing.point_key(MODEL, plan, "bf16", 3, 1, "cpu", 2)
+    with Ledger(str(path), {"device_kind": "cpu", "world_size": 2}) as ledger:
+        ledger.append(timing.step_record(key, MODEL, plan, "bf16", 3, 1, measured, prediction, system))
+
+
+def test_validate_against_a_profile_this_machine_does_not_match(run_cli, tmp_path, monkeypatch):
+    """The same measured steps, validated against the profile of the machine they ran on and
+    against one whose GEMMs are 5x faster: the second says so at the top and the bottom, heads
+    its table as a mismatched profile's, gives the commands to calibrate and validate again, and
+    marks every --json entry machine_matches_profile: false."""
+    monkeypatch.chdir(tmp_path)
+    ledger, plan = tmp_path / "v.jsonl", "tp=2,mbs=2,gbs=4"
+    _ledger_with_a_plan_at_speed(ledger, plan)
+    other = _profile_with_faster_gemms(tmp_path / "gemms-5x.toml", 5.0)
+    argv = ("validate", "--device", "cpu", "--nproc", "2", "--model", MODEL, "--plans", plan, "--ledger", str(ledger))
+
+    matched = run_cli(*argv, "--json")
+    assert matched.code == 0 and "WARNING" not in matched.err, matched.err
+    assert [e["machine_matches_profile"] for e in matched.json()] == [True]
+    assert "WARNING" not in run_cli(*argv).out
+
+    off = run_cli(*argv, "--system", other)
+    assert off.code == 0, off.err
+    lines = off.out.splitlines()
+    # the probe's GEMM is small: overheads the peak does not scale make the profile's time 2-3x shorter, not 5x
+    slower = 1.03 * _expected_probe("cpu-calibrated", plan) / _expected_probe(other, plan)
+    assert 2 < slower < 5
+    assert lines[0].startswith(f"WARNING: this machine runs GEMMs {slower:.1f}x slower than profile {other} describes "
+                               "(by the speed probes): 0 of 3 timed steps ran within 15% of the profile's speed")
+    assert "element-wise" not in lines[0]  # the LayerNorm probe ran as the profile says
+    calibrate, again = lines[1].strip(), lines[2].strip()
+    assert calibrate.startswith(f"perfsim calibrate --device cpu --nproc 2 --system {other} --out cpu-")
+    out = calibrate.split("--out ")[1]
+    assert again == f"perfsim validate --device cpu --nproc 2 --plans {plan} --ledger {ledger} --model {MODEL} --system {out}"
+    assert "Measured against profile" in off.out and "which does not describe this machine" in off.out
+    table = off.out.index("plan  ")
+    assert off.out.index("Measured against profile") < table < off.out.rindex("WARNING: this machine runs GEMMs")
+    assert off.out.rstrip().endswith(again)
+
+    as_json = run_cli(*argv, "--system", other, "--json")
+    assert [e["machine_matches_profile"] for e in as_json.json()] == [False]
+    assert as_json.json()[0]["machine_speed"]["probe_over_profile"] == pytest.approx(slower)
+    assert f"WARNING: this machine runs GEMMs {slower:.1f}x slower" in as_json.err

@@ -32,11 +32,22 @@ INSTALL_XPU = ("the XPU build of torch >= 2.8 (native xccl backend) from the ven
                "XPU stack with oneccl_bindings_for_pytorch (oneccl_bind_pt) and intel_extension_for_pytorch")
 
 
-def import_torch():
+# What to install for each device kind. The [validate] extra names torch unpinned (an unpinned
+# torch pulls the newest CUDA build, several GB), so the pin goes with it.
+INSTALL_TORCH_FOR = {"cpu": "pip install torch==2.13.0 (or the project's [validate] extra with that pin: "
+                            "pip install \".[validate]\" torch==2.13.0)",
+                     "cuda": "a CUDA build of torch (or the project's [validate] extra with it)",
+                     "xpu": "the XPU build of torch from Intel's torch index"}
+
+
+def import_torch(command: str = "perfsim calibrate", kind: str | None = None):
+    """torch, or a PerfsimError saying that `command` (on device `kind`) needs it and how to install it."""
     try:
         import torch  # noqa: PLC0415 (the harness only; perfsim itself never imports torch)
     except ImportError:
-        raise PerfsimError(f"perfsim calibrate needs torch, which is not installed: {INSTALL_TORCH}") from None
+        what = f"{command} --device {kind}" if kind else command
+        raise PerfsimError(f"{what} needs torch, which is not installed here: "
+                           f"{INSTALL_TORCH_FOR.get(kind, INSTALL_TORCH)}") from None
     return torch
 
 
@@ -69,10 +80,10 @@ def xpu_available(torch) -> bool:
         return False
 
 
-def check_available(kind: str) -> None:
-    """Raise a PerfsimError saying what to install when `kind` cannot be used here."""
+def check_available(kind: str, command: str = "perfsim calibrate") -> None:
+    """Raise a PerfsimError saying what to install when `kind` cannot be used here by `command`."""
     check_kind(kind)
-    torch = import_torch()
+    torch = import_torch(command, kind)
     if kind == "cuda" and not torch.cuda.is_available():
         built = getattr(torch.version, "cuda", None)
         why = "no CUDA device is visible" if built else f"torch {torch.__version__} is a build without CUDA"

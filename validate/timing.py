@@ -19,7 +19,7 @@ import tempfile
 
 from perfsim.errors import PerfsimError
 from perfsim.ledger import step_problem
-from validate.speed_probe import DEFAULT_TOLERANCE, step_time
+from validate.speed_probe import DEFAULT_TOLERANCE, all_at_speed, step_time
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
@@ -125,6 +125,24 @@ def speed_flags(measured: dict) -> list:
     return measured.get("at_speed") or [True] * len(measured["step_times_s"])
 
 
+def judged(measured: dict, probe_expected_s: float, norm_probe_expected_s: float, tolerance: float) -> dict:
+    """`measured` with every timed step judged at speed against this profile's predicted probe
+    times and this tolerance, and its step time the median of the steps now at speed. The ranks
+    judged against the profile and tolerance of the run that measured: a plan read back from the
+    ledger under another profile (one calibrated since) or another --speed-tolerance is judged
+    anew, a fresh one the same as the ranks did. Records from before a probe keep its verdict
+    (a probe not recorded lets every step count)."""
+    probes = measured.get("probe_s")
+    if not probes:
+        return measured
+    norms = measured.get("norm_probe_s") or [None] * len(probes)
+    flags = [all_at_speed([p, n], [None if p is None else probe_expected_s, None if n is None else norm_probe_expected_s],
+                          tolerance) for p, n in zip(probes, norms)]
+    return dict(measured, at_speed=flags, probe_expected_s=probe_expected_s,
+                norm_probe_expected_s=norm_probe_expected_s if any(n is not None for n in norms) else None,
+                step_time_s=step_time(measured["step_times_s"], flags))
+
+
 def merge_rounds(measured: list) -> dict:
     """One plan's measurements of several rounds as one: every round's timed steps together and
     the median of those at speed, the largest peak memory; the counts (the same in every round)
@@ -198,6 +216,7 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
     # Saved-tensor hooks do not see inside torch's checkpoint (its own hooks keep what the
     # recomputation rebuilds), so under full recomputation the counted side misses the layers.
     activations = dict(pair("activation_bytes", "counted"), comparable=plan.recompute != "full")
+    speed = machine_speed(measured)
     return {"plan": plan.as_dict(), "label": plan_label(plan),
             "step_time_s": pair("step_time_s"), "flops": pair("flops", "counted"),
             "comm_bytes": pair("comm_bytes", "counted"), "activation_bytes": activations,
@@ -205,7 +224,55 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "comm_bytes_predicted_by_dimension": prediction["comm_bytes_by_dimension"],
             "comm_bytes_counted_by_kind": measured["comm_bytes_by_kind"],
             "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"],
-            "machine_speed": machine_speed(measured)}
+            "machine_speed": speed, "machine_matches_profile": machine_matches(speed["steps_at_speed"], speed["steps"])}
+
+
+def machine_matches(steps_at_speed: int, steps: int) -> bool:
+    """Whether the machine ran as its profile describes, by the speed probes: at least half of the
+    timed steps ran at the profile's speed (on a machine as calibrated most do: 3 of 3 to 3 of 5
+    at the default tolerance; on another machine, or this one in a slow spell, few or none)."""
+    return 2 * steps_at_speed >= steps
+
+
+def machine_verdict(results: list) -> dict:
+    """Over a run's plans (`--json` entries): whether the machine matches the profile
+    (machine_matches over all their timed steps), and how fast it ran against it: the median over
+    the plans of each probe's time over the profile's (GEMM and LayerNorm; > 1 slower, None
+    without that probe)."""
+    speeds = [r["machine_speed"] for r in results]
+    steps, at_speed = sum(s["steps"] for s in speeds), sum(s["steps_at_speed"] for s in speeds)
+
+    def median(key):
+        values = [s[key] for s in speeds if s.get(key)]
+        return statistics.median(values) if values else None
+    return {"matches": machine_matches(at_speed, steps), "steps": steps, "steps_at_speed": at_speed,
+            "gemm_over_profile": median("probe_over_profile"), "norm_over_profile": median("norm_probe_over_profile")}
+
+
+def _pace(ratio: float | None, tolerance: float) -> str | None:
+    """'57x slower' or '2.1x faster' for a probe's measured over predicted time; None within the
+    tolerance or without the probe."""
+    if ratio is None or 1 / (1 + tolerance) <= ratio <= 1 + tolerance:
+        return None
+    factor = ratio if ratio > 1 else 1 / ratio
+    amount = f"{factor:.0f}" if factor >= 10 else f"{factor:.1f}"
+    return f"{amount}x {'slower' if ratio > 1 else 'faster'}"
+
+
+def mismatch_warning(verdict: dict, system_name: str, tolerance: float, calibrate_command: str,
+                     validate_command: str) -> str:
+    """What `perfsim validate` says above and below its results when the machine does not match
+    the profile (machine_verdict): by how much, by each probe, and the commands that calibrate
+    this machine and validate again."""
+    paces = [f"{what} {pace}" for what, ratio in (("GEMMs", verdict["gemm_over_profile"]),
+                                                  ("element-wise kernels", verdict["norm_over_profile"]))
+             if (pace := _pace(ratio, tolerance))]
+    runs = (f"runs {' and '.join(paces)} than profile {system_name} describes (by the speed probes)" if paces
+            else f"does not run at the speed profile {system_name} describes")
+    return (f"WARNING: this machine {runs}: {verdict['steps_at_speed']} of {verdict['steps']} timed steps ran "
+            f"within {100 * tolerance:.0f}% of the profile's speed (at least half must), so the step-time errors "
+            f"test the profile against this machine, not perfsim's model. Another machine, or this one in a slow "
+            f"spell: calibrate it, then validate against that profile:\n  {calibrate_command}\n  {validate_command}")
 
 
 def machine_speed(measured: dict) -> dict:
@@ -261,22 +328,26 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         for r in range(1, rounds + 1):
             for i, (plan, prediction) in enumerate(zip(plans, predictions)):
                 key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r)
+                probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
+                norm = expected_norm_probe_s(system, dtype, probe_norm(model, plan))
                 if key in earlier:
                     got, source = earlier[key]["measured"], "from the ledger"
                 else:
-                    probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
-                    norm = expected_norm_probe_s(system, dtype, probe_norm(model, plan))
                     got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
                                        probe, speed_tolerance, norm)
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
                     source = "measured"
+                got = judged(got, probe, norm, speed_tolerance)
                 measured[i].append(got)
                 real, pred = got["step_time_s"], prediction["step_time_s"]
                 where = f"round {r}/{rounds} " if rounds > 1 else ""
                 speed = machine_speed(got)
+                off = "" if machine_matches(speed["steps_at_speed"], speed["steps"]) else "".join(
+                    f", {name} probe {speed[key]:.2g}x the profile's time" for name, key in
+                    (("GEMM", "probe_over_profile"), ("LayerNorm", "norm_probe_over_profile")) if speed[key])
                 progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {real:.3f} s, "
                          f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%); "
-                         f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed")
+                         f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed{off}")
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 

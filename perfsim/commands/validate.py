@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from perfsim.errors import PerfsimError
 
@@ -47,11 +49,22 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=whole_number(1, 86400), default=300,
                    help="seconds a collective may wait before the run ends with an error, up to a day (default 300)")
     p.add_argument("--threads", type=whole_number(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
-    _add_case_flags(p)
-    _add_plan_flags(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    # the harness's defaults (validate.timing.DEFAULT_MODEL, DEFAULT_SYSTEM, default_plans) written
+    # out like the tolerance's; a test ties them
+    _add_case_flags(p, model_default=f"with --device or --emit-slurm, the harness's small GPT {HARNESS_MODEL}; with "
+                                     "--megatron-log, gpt3-175b",
+                    system_default="cpu-calibrated with --device cpu; with --device cuda or xpu give the profile "
+                                   "calibrated for it; smng-p2 with --megatron-log or --emit-slurm")
+    _add_plan_flags(p, left_out="with --device, a set of at least 12 plans over --nproc ranks: 1d tensor parallelism "
+                                "with and without SP under each recompute mode, the three pipeline schedules, ZeRO 0-3; "
+                                "with --megatron-log, as perfsim predict")
+    p.add_argument("--json", action="store_true", help="print one JSON list, an object per plan (a Megatron-DeepSpeed "
+                                                       "log: one object)")
     _add_slurm_flags(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, parser=p)  # the parser: a mismatch warning repeats the command line
+
+
+HARNESS_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 
 
 def _tolerance(text: str) -> float:
@@ -203,9 +216,12 @@ def format_comparison(r: dict) -> str:
 
 
 def run_steps(args) -> list:
-    """The --device timing run."""
+    """The --device timing run; a warning above and below its results when the machine does not
+    run at the profile's speed (docs/real-steps-timing.md, "A machine the profile does not describe")."""
     from validate import timing
+    from validate.device import check_available
 
+    command = command_line(args)  # before the plan flags fill in args (_chosen_plans)
     if args.megatron_log is not None:
         raise PerfsimError("give either --megatron-log or --device, not both")
     if args.dtype not in timing.DTYPE_BYTES:
@@ -219,11 +235,65 @@ def run_steps(args) -> list:
                            f"(perfsim calibrate --device {args.device} ... --out PROFILE.toml)")
     model = args.model or timing.DEFAULT_MODEL
     plans = _chosen_plans(args, nproc, model=model, system=system)[0]
+    check_available(args.device, "perfsim validate")
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
                                args.ledger, float(args.timeout), args.threads, rounds=args.rounds,
                                speed_tolerance=args.speed_tolerance)
-    print(json.dumps(results, indent=2) if args.json else timing.format_table(results))
+    verdict = timing.machine_verdict(results)
+    warning = None if verdict["matches"] else timing.mismatch_warning(
+        verdict, system, args.speed_tolerance, *_recalibration(args, command, nproc, system))
+    if args.json:
+        print(json.dumps(results, indent=2))
+        if warning:
+            print(warning, file=sys.stderr)
+        return results
+    if warning:  # no table that reads as a result without the warning and a heading that says so
+        print(warning + "\n\n" + f"Measured against profile {system}, which does not describe this machine: the "
+              "step-time columns compare the machine with the profile; memory, FLOPs and bytes sent do not depend "
+              "on its speed and still test perfsim.\n")
+    print(timing.format_table(results))
+    if warning:
+        print("\n" + warning)
     return results
+
+
+def command_line(args) -> list:
+    """The command as typed again: `perfsim validate` and every option whose value is not its
+    default (from the parser), as a list of words."""
+    words = ["perfsim", "validate"]
+    for action in args.parser._actions:
+        if not action.option_strings or action.dest in ("help", "parser"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value is False or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        words += [flag] if value is True else [flag, str(value)]
+    return words
+
+
+def _recalibration(args, command: list, nproc: int, system: str) -> tuple:
+    """The two commands a mismatch warning gives: calibrate this machine (from the profile just
+    validated, into DEVICE-HOST.toml), then this validation again against that profile."""
+    import re
+    import shlex
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_-]+", "-", socket.gethostname().split(".")[0]).strip("-") or "this-machine"
+    profile = f"{args.device}-{host}.toml"
+    if os.path.basename(profile) == os.path.basename(system):  # validated against it: calibrate afresh into it
+        profile = f"{args.device}-{host}-recalibrated.toml"
+    calibrate = ["perfsim", "calibrate", "--device", args.device, "--nproc", str(nproc), "--system", system,
+                 "--out", profile] + (["--threads", str(args.threads)] if args.threads else [])
+    again, skip = [], False
+    for word in command:  # the same command with --system replaced
+        if skip:
+            skip = False
+        elif word == "--system":
+            skip = True
+        else:
+            again.append(word)
+    return shlex.join(calibrate), shlex.join(again + ["--system", profile])
 
 
 def run(args) -> None:
