@@ -100,7 +100,7 @@ HARNESS_REVISION = 2
 
 # Plan fields added after ledgers were written, with the value every earlier point ran with: a
 # plan at that value keys as before the field existed, so a ledger's points are still found.
-LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False}
+LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False}
 
 
 def plan_key_fields(plan) -> dict:

@@ -35,6 +35,7 @@ class Columns:
     regather: object = 0  # 3d: re-gather X and W in backward (0: keep the gathered copies)
     flash: object = 0  # 1: the attention core as one fused kernel (plan.attention == "flash")
     dp_overlap: object = 0  # 1: data-parallel reductions and gathers overlap compute, bucket by bucket
+    tp_overlap: object = 0  # 1: 1d + SP collectives pipelined with their GEMMs, in chunks
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
@@ -54,7 +55,8 @@ def columns_of(plan: Plan) -> Columns:
                    gbs=float(plan.gbs),
                    sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
-                   flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_mode=plan.tp_mode,
+                   flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
+                   tp_mode=plan.tp_mode,
                    order=plan.order, tp_axes=plan.tp_axes)
 
 
@@ -64,5 +66,5 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     one = [columns_of(p) for p in plans]
     arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
-                                "tp_depth", "regather", "flash", "dp_overlap")}
+                                "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)

@@ -33,6 +33,7 @@ import numpy as np
 from perfsim.cost.columns import FULL, Columns
 from perfsim.cost.layer import BF16, MemoryOp, memory_time
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
+from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.tensor_parallel import weight_shard
 from perfsim.spec.system import System
 
@@ -70,14 +71,6 @@ def zero3_units(model, c: Columns, stage: str):
     (with the final norm) as modules of their own on the stages that hold them."""
     edges = np.where(c.pp == 1, 2, {"first": 1, "middle": 0, "last": 1}[stage])
     return model.layers / c.pp + edges
-
-
-def overlapped_exposure(total, window, buckets):
-    """Exposed seconds of `total` seconds of communication issued in `buckets` equal pieces, each
-    as soon as a compute phase of `window` seconds has produced it (or, mirrored, needed before
-    that phase reaches it), one after another on a stream of their own: the last piece always,
-    and whatever does not fit behind the window (docs/equations.md 6.1)."""
-    return np.maximum(total / buckets, total - window * (buckets - 1) / buckets)
 
 
 def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward, units=1, buckets=1):

@@ -17,7 +17,9 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
-from perfsim.cost.layer import BF16, Work, embedding_work, head_memory_ops, layer_memory_ops, work
+from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_time, head_memory_ops,
+                                layer_memory_ops, work)
+from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -67,6 +69,10 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                  layer_memory_ops(model, b, layout.split, layout.region_split), c.flash)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
+    if c.tp_mode == "1d":
+        overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, model, b, tp_time)
+        layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
+        layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
     # (docs/equations.md 8.1); it runs again with a fully recomputed forward
     host = layer_host_overhead(system, c)
@@ -107,6 +113,23 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
                                                   stage.backward, zero3_units(model, c, name), n)
     return StageCosts(first, middle, last, params_first, params_last)
+
+
+def overlapped_tp_times(device, peak_flops: float, layout, model: ModelSpec, b, tp_time) -> tuple:
+    """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
+    (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
+    column-parallel GEMM it feeds (QKV, FC1), each reduce-scatter with the row-parallel GEMM it
+    leaves (projection, FC2), and likewise backward beside those GEMMs' two backward products;
+    what a GEMM cannot hide, and always one chunk, stays exposed (docs/equations.md 4.2)."""
+    activation = BF16 * b * model.seq * model.hidden
+    gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation)])
+    scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation)])
+    gemms = {g.name: gemm_time(device, peak_flops, g) for g in tpc.layer_gemms(layout, model, b)}
+    pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
+    t = layout.size
+    forward = sum(overlapped_exposure(comm, gemms[name], t) for comm, name in pairs)
+    backward = sum(overlapped_exposure(comm, GEMM_BACKWARD * gemms[name], t) for comm, name in pairs)
+    return forward, backward
 
 
 def layer_host_overhead(system: System, c: Columns):

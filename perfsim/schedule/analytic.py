@@ -18,8 +18,8 @@ import numpy as np
 
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
-from perfsim.cost.data_parallel import (optimizer_time, overlapped_exposure, step_reduction_time, tied_embedding_time,
-                                        zero3_units)
+from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
+from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System

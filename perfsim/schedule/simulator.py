@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost.columns import Columns, columns_of
-from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, overlapped_exposure,
-                                        step_reduction_time, tied_embedding_time, zero3_gathers, zero3_units,
-                                        zero_microbatch_times)
+from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
+                                        tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
+from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
 from perfsim.cost.topology import TopologyCommModel, nic_of

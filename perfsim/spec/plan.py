@@ -45,6 +45,7 @@ class Plan:
     tp_regather: bool = False  # 3d: re-gather X and W for backward instead of keeping the gathered copies
     attention: str = "unfused"  # the command line's default is the profile's framework.attention
     dp_overlap: bool = False  # data-parallel reductions and gathers overlap compute, bucket by bucket
+    tp_overlap: bool = False  # 1d + SP: all-gathers and reduce-scatters pipelined with their GEMMs in chunks
 
     @property
     def devices(self) -> int:
@@ -114,13 +115,16 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         reasons.append(f"attention must be one of {', '.join(ATTENTION)}, got {plan.attention!r}")
     if isinstance(plan.zero, bool) or plan.zero not in (0, 1, 2, 3):
         reasons.append(f"zero must be 0, 1, 2 or 3, got {plan.zero!r}")
-    for name in ("sp", "dp_overlap"):
+    for name in ("sp", "dp_overlap", "tp_overlap"):
         if not isinstance(getattr(plan, name), (bool, np.bool_)):
             reasons.append(f"{name} must be true or false, got {getattr(plan, name)!r}")
     if not isinstance(plan.order, str) or sorted(plan.order.split("-")) != sorted(DIMENSIONS):
         reasons.append(f"order must list tp, dp and pp innermost first, like {DEFAULT_ORDER}; got {plan.order!r}")
     if plan.sp and plan.tp_mode != "1d":
         reasons.append("sequence parallelism (--sp) applies to 1d tensor parallelism only")
+    if isinstance(plan.tp_overlap, (bool, np.bool_)) and plan.tp_overlap and not (plan.sp and plan.tp_mode == "1d"):
+        reasons.append("tp_overlap (--tp-overlap) pipelines the all-gathers and reduce-scatters of 1d tensor "
+                       "parallelism with sequence parallelism: add --sp")
     if plan.tp_depth != 1 and plan.tp_mode != "2.5d":
         reasons.append("tp_depth applies to --tp-mode 2.5d only")
     if plan.tp_regather and plan.tp_mode != "3d":
