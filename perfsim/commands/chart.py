@@ -14,7 +14,8 @@ def add_chart_flags(p) -> None:
     from perfsim.cli import _add_case_flags, _add_plan_flags, _positive
 
     _add_case_flags(p)
-    _add_plan_flags(p)
+    _add_plan_flags(p, left_out="the built-in case's plan if no model, system or device count is given; else, "
+                    "unless --tp and --pp are given, the best plan perfsim search finds, the plan flags given kept")
     p.add_argument("--out", required=True, metavar="FILE.html", help="the HTML page to write (self-contained)")
     g = p.add_argument_group("chart options")
     g.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
