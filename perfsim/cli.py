@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from perfsim.errors import PerfsimError
+from perfsim.errors import PerfsimError, one_line
 
 # `perfsim predict` with no flags: the SMNG-P2 authors' 175B run (shared/reference/published.md).
 BUILTIN_CASE = {"model": "gpt3-175b", "system": "smng-p2", "nodes": 16,
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         args = make_parser().parse_args(argv)
         args.run(args)
     except PerfsimError as exc:  # one line, whatever a quoted path or value holds
-        message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
+        message = one_line(exc)
         if len(message) > 2000:  # a value quoted whole (a megabyte-long flag, a table)
             message = message[:2000] + "... (cut)"
         print(f"perfsim: error: {message}", file=sys.stderr)

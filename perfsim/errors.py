@@ -10,6 +10,11 @@ class PerfsimError(ValueError):
     """Bad input: the message says what is wrong and how to fix it, in one line."""
 
 
+def one_line(text: str) -> str:
+    """`text` as one line of a message: a newline a path or value holds is shown as \\n."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def did_you_mean(word, choices) -> str:
     """' (did you mean X?)' when one of `choices` is close to a misspelt `word`, else ''."""
     import difflib

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 
-from perfsim.errors import PerfsimError
+from perfsim.errors import PerfsimError, one_line
 from perfsim.files import MAX_LEDGER_BYTES, decode_text, open_input
 
 LEDGER_SCHEMA = 1
@@ -118,7 +118,7 @@ def skipped_lines(path: str, problems: list, duplicates: list = ()) -> list:
         out += [f"ledger {path}: {item}{after}" for item in items[:WARNINGS_SHOWN]]
         if len(items) > WARNINGS_SHOWN:
             out.append(f"ledger {path}: {len(items) - WARNINGS_SHOWN} more {rest}")
-    return out
+    return [one_line(line) for line in out]
 
 
 # --- what a reader relies on ---

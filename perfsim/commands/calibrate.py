@@ -237,7 +237,7 @@ def _run_local(args) -> None:
 def _measure_and_fit(args, system: str) -> None:
     from validate.device import check_available, distributed_backend
 
-    out = None if args.no_fit else (args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml")
+    out = None if args.no_fit else _out(args, system)
     if out:
         _check_out(out)
         from perfsim.spec.system import load_system
@@ -276,6 +276,11 @@ def _base_system_name(args) -> str:
                        f"e.g. dgx-a100 or dgx-h100), or --no-fit to measure only")
 
 
+def _out(args, system: str) -> str:
+    """--out, or SYSTEM-calibrated.toml when it is left out (an empty --out is refused by _check_out)."""
+    return args.out if args.out is not None else f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
+
+
 def _check_out(out: str) -> None:
     from perfsim.files import check_output
 
@@ -288,7 +293,7 @@ def _run_fit(args) -> None:
     if args.system is None and args.device not in DEFAULT_SYSTEM:
         raise PerfsimError("--fit needs --system BASE: the profile the fit starts from (e.g. smng-p2, cpu-example)")
     system = _base_system_name(args)
-    out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
+    out = _out(args, system)
     _check_out(out)
     fit_ledger(args.fit, system, out, args.name, device_kind=args.device, warn=lambda m: print(m, file=sys.stderr),
                statistic=args.statistic, clock=args.clock, description=args.description)
@@ -309,7 +314,7 @@ def _run_emit_slurm(args) -> None:
     system = args.system or DEFAULT_SYSTEM["xpu"]
     from perfsim.spec.system import load_system
     load_system(system)
-    out = args.out or f"{os.path.splitext(os.path.basename(system))[0]}-calibrated.toml"
+    out = _out(args, system)
     fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", out)
     job = Job(nodes=args.nodes, worker_argv=tuple(worker_argv(options)), fit_argv=() if args.no_fit else fit,
               time=args.time, partition=args.partition, account=args.account, setup=tuple(args.setup))

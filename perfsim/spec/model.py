@@ -101,15 +101,21 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     return spec
 
 
+def _quoted(text: str) -> str:
+    """`text` as a message quotes it: at most 80 characters (a spec may be any length)."""
+    return repr(text if len(text) <= 80 else text[:80] + "...")
+
+
 def _parse_inline(text: str) -> dict:
     fields: dict = {}
     for part in text.split(","):
         key, sep, raw = part.partition("=")
         key, raw = key.strip(), raw.strip()
         if not sep or not key or not raw:
-            raise PerfsimError(f"model spec {text!r}: expected key=value pairs separated by commas, got {part.strip()!r}")
+            raise PerfsimError(f"model spec {_quoted(text)}: expected key=value pairs separated by commas, "
+                               f"got {_quoted(part.strip())}")
         if key in fields:
-            raise PerfsimError(f"model spec {text!r}: {key} is given twice")
+            raise PerfsimError(f"model spec {_quoted(text)}: {key} is given twice")
         if raw.lower() in ("true", "false"):
             fields[key] = raw.lower() == "true"
         elif key == "norm" or key == "name":
@@ -118,7 +124,7 @@ def _parse_inline(text: str) -> dict:
             try:
                 fields[key] = int(raw)
             except ValueError:
-                raise PerfsimError(f"model spec {text!r}: {key} must be a whole number, got {raw!r}") from None
+                raise PerfsimError(f"model spec {_quoted(text)}: {key} must be a whole number, got {_quoted(raw)}") from None
     return fields
 
 
@@ -138,5 +144,5 @@ def load_model(text: str) -> ModelSpec:
             raise PerfsimError(f"model file {text}: [model] must be a table of model fields")
         return build_model(os.path.splitext(os.path.basename(text))[0], data, f"model file {text}")
     if "=" in text:
-        return build_model("custom", _parse_inline(text), f"model spec {text!r}")
-    raise PerfsimError(f"unknown model {text!r}: use a preset (see `perfsim profiles`), key=value pairs, or a .toml file")
+        return build_model("custom", _parse_inline(text), f"model spec {_quoted(text)}")
+    raise PerfsimError(f"unknown model {_quoted(text)}: use a preset (see `perfsim profiles`), key=value pairs, or a .toml file")
