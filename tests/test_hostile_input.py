@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -142,6 +143,7 @@ def bad_files():
     paths["name-too-long"] = os.path.join(d, "x" * 300 + ".toml")
     yield paths
     sock.close()
+    shutil.rmtree(d)
 
 
 def _readers(tmp):
@@ -632,9 +634,9 @@ def test_numbers(perfsim, tmp_path, monkeypatch, argv, expect, needle):
 # --- files perfsim writes ------------------------------------------------------------------------
 
 @pytest.fixture
-def places():
+def places(tmp_path):
     """name -> a path that is not a regular file perfsim may write (named .html for the charts)."""
-    d = _short_dir()
+    d = str(tmp_path)
     os.mkfifo(os.path.join(d, "fifo.html"))
     os.mkdir(os.path.join(d, "dir.html"))
     return {"fifo": os.path.join(d, "fifo.html"), "directory": os.path.join(d, "dir.html"), "dev-null": "/dev/null",
