@@ -1,6 +1,7 @@
 """The timing run of `perfsim validate --device D --nproc N`: every plan measured on real ranks
 (validate.steps), predicted by perfsim with the device's calibrated profile, and both kept in the
-ledger. This side does not import torch; the ranks do.
+ledger. This side imports torch only to check, before the first launch, that the ranks can run
+(a run that reads every plan back from the ledger needs neither torch nor the device).
 
 A plan already in the ledger (same model, plan, dtype, steps, device, rank count and harness
 revision) is not run again, so an interrupted run resumes where it stopped and nothing measured is
@@ -321,13 +322,19 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         if problems:
             raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
     ledger_path = ledger_path or f"validation-{device}.jsonl"
+    keys = [[point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r) for plan in plans]
+            for r in range(1, rounds + 1)]
+    if _unmeasured(ledger_path, keys):
+        from validate.device import check_available
+
+        check_available(device, "perfsim validate")
     predictions = [predicted(model, system, plan, dtype) for plan in plans]
     measured = [[] for _ in plans]
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
         earlier = ledger.records
         for r in range(1, rounds + 1):
             for i, (plan, prediction) in enumerate(zip(plans, predictions)):
-                key = point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r)
+                key = keys[r - 1][i]
                 probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
                 norm = expected_norm_probe_s(system, dtype, probe_norm(model, plan))
                 if key in earlier:
@@ -349,6 +356,14 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                          f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%); "
                          f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed{off}")
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
+
+
+def _unmeasured(ledger_path: str, keys: list) -> bool:
+    """Whether any of `keys` (a list per round) is not in the ledger yet."""
+    from perfsim.ledger import read_ledger
+
+    have = {r["key"] for r in read_ledger(ledger_path, step_problem)[0]} if os.path.exists(ledger_path) else set()
+    return any(k not in have for row in keys for k in row)
 
 
 def _error(pred, real):

@@ -78,14 +78,14 @@ def _tolerance(text: str) -> float:
 
 
 def _add_slurm_flags(p) -> None:
-    from perfsim.commands.calibrate import _walltime
+    from perfsim.commands.calibrate import _slurm_name, _walltime
 
     s = p.add_argument_group("Slurm (SMNG-P2): --emit-slurm FILE --nodes N writes the validation job and stops")
     s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE",
                    help="write a batch script that runs the plans under mpiexec on --nodes N x 8 tiles (xccl/ccl)")
     s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
-    s.add_argument("--partition")
-    s.add_argument("--account")
+    s.add_argument("--partition", type=_slurm_name)
+    s.add_argument("--account", type=_slurm_name)
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="shell line run before the steps (module load ..., source venv/bin/activate); repeatable")
 
@@ -115,8 +115,6 @@ def _chosen_plans(args, devices: int, **case) -> tuple:
 
 def emit_slurm(args) -> None:
     """`--emit-slurm FILE --nodes N`: the SMNG-P2 validation job (validate/slurm.py writes its text)."""
-    import os
-
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
@@ -219,7 +217,6 @@ def run_steps(args) -> list:
     """The --device timing run; a warning above and below its results when the machine does not
     run at the profile's speed (docs/real-steps-timing.md, "A machine the profile does not describe")."""
     from validate import timing
-    from validate.device import check_available
 
     command = command_line(args)  # before the plan flags fill in args (_chosen_plans)
     if args.megatron_log is not None:
@@ -235,7 +232,6 @@ def run_steps(args) -> list:
                            f"(perfsim calibrate --device {args.device} ... --out PROFILE.toml)")
     model = args.model or timing.DEFAULT_MODEL
     plans = _chosen_plans(args, nproc, model=model, system=system)[0]
-    check_available(args.device, "perfsim validate")
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
                                args.ledger, float(args.timeout), args.threads, rounds=args.rounds,
                                speed_tolerance=args.speed_tolerance)
