@@ -696,6 +696,9 @@ ARGV_CASES = [
     ("unicode-preset", ["predict", "--model", "gpt3-１２５m"]),
     ("validate-plans-garbage", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--plans", "tp=two"]),
     ("validate-plans-empty", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--plans", ";;"]),
+    ("partition-with-a-newline", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--partition",
+                                  "general\nrm -rf ~"]),
+    ("account-with-a-space", ["calibrate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--account", "pn12 ab"]),
 ]
 
 

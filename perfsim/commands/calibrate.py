@@ -79,6 +79,15 @@ def _choices(allowed):
     return parse
 
 
+def _slurm_name(text: str) -> str:
+    """A Slurm partition or account: one word, written into an #SBATCH line (a newline or a space
+    would end that line and put the rest into the script as shell)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.,:+-]{1,100}", text):
+        raise argparse.ArgumentTypeError(f"expected a Slurm name such as general or pn12ab (letters, digits, "
+                                         f"_ . , : + -), got {text[:40]!r}")
+    return text
+
+
 def _walltime(text: str) -> str:
     if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", text):
         raise argparse.ArgumentTypeError(f"expected a Slurm time like 01:30:00 or 1-00:00:00, got {text!r}")
@@ -133,8 +142,8 @@ def register(subparsers) -> None:
     s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE", help="write a batch script and stop")
     s.add_argument("--nodes", type=_positive, help="nodes of the Slurm job (8 tiles each)")
     s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
-    s.add_argument("--partition")
-    s.add_argument("--account")
+    s.add_argument("--partition", type=_slurm_name)
+    s.add_argument("--account", type=_slurm_name)
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="shell line to run before the campaign (module load ..., source venv/bin/activate); repeatable")
     p.add_argument("--fit", metavar="LEDGER", help="fit a ledger measured before (here or elsewhere) and stop")
