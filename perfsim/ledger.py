@@ -1,4 +1,5 @@
-"""Reading a measurement ledger (JSON Lines written by validate/, docs/calibration.md section 3).
+"""Reading a measurement ledger (JSON Lines written by validate/; docs/calibration.md: the format
+in section 2, what a reader skips under "Resuming").
 
 A ledger is read line by line and no line is ever fatal: a line that is not UTF-8, not JSON
 (cut short, nested too deeply, a number that is not finite or an integer beyond 64 bits), not an
