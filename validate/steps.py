@@ -28,7 +28,7 @@ import time
 from validate.speed_probe import DEFAULT_TOLERANCE
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang" or "die" makes the last rank fail in its first step
+FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang", "die" or "kill" (SIGKILL) ends the last rank in its first step
 
 
 class TensorParallelStep:
@@ -140,6 +140,8 @@ def _inject_fault(rank: int, world: int) -> None:
     if fault and rank == world - 1:
         if fault == "die":
             os._exit(3)
+        if fault == "kill":  # as another process, or the out-of-memory killer, would
+            os.kill(os.getpid(), 9)
         if fault == "hang":
             time.sleep(10**6)
 
