@@ -121,12 +121,20 @@ def plan_flags_given(args) -> dict:
 
 
 def device_count(args, system, fields: dict) -> int:
-    """--nodes or --devices, else the plan's own size (tp x pp x dp, 1 where left out)."""
+    """--nodes or --devices, else the plan's own size (tp x pp x dp, 1 where left out); more than
+    perfsim models is an error before any plan is searched or priced."""
+    from perfsim.spec.plan import device_count_problem
+
     if args.nodes is not None:
-        return args.nodes * system.node.devices_per_node
-    if args.devices is not None:
-        return args.devices
-    return fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
+        devices = args.nodes * system.node.devices_per_node
+    elif args.devices is not None:
+        devices = args.devices
+    else:
+        devices = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
+    too_many = device_count_problem(devices)
+    if too_many:
+        raise PerfsimError(too_many)
+    return devices
 
 
 def derived_dp(devices: int, tp: int, pp: int) -> int:
