@@ -120,13 +120,9 @@ class Case:
 
     def node_counts(self, args) -> list:
         if args.node_counts:
-            try:
-                nodes = [int(x) for x in args.node_counts.split(",") if x.strip()]
-            except ValueError:
-                raise PerfsimError(f"--node-counts must be comma-separated whole numbers, got {args.node_counts!r}") from None
-            if not nodes or any(n < 1 for n in nodes):
-                raise PerfsimError(f"--node-counts must list positive node counts, got {args.node_counts!r}")
-            return nodes
+            from perfsim.commands.scale import node_list
+
+            return node_list(args.node_counts, "--node-counts")
         if self.builtin:
             from perfsim.reproduce import SMNG_SCALING_NODES
 

@@ -28,13 +28,20 @@ def register(sub) -> None:
     p.set_defaults(run=run, devices=None)
 
 
-def _node_list(text: str) -> list[int]:
+MAX_NODE_COUNTS = 64  # points of one scaling study: each is a whole prediction
+
+
+def node_list(text: str, flag: str = "--nodes") -> list[int]:
+    """Comma-separated node counts, the first the base: positive, at most MAX_NODE_COUNTS of them."""
+    shown = text if len(text) <= 60 else text[:60] + "..."
     try:
         nodes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise PerfsimError(f"--nodes must be comma-separated whole numbers, got {text!r}") from None
+        raise PerfsimError(f"{flag} must be comma-separated whole numbers, got {shown!r}") from None
     if not nodes or any(n < 1 for n in nodes):
-        raise PerfsimError(f"--nodes must list positive node counts, got {text!r}")
+        raise PerfsimError(f"{flag} must list positive node counts, got {shown!r}")
+    if len(nodes) > MAX_NODE_COUNTS:
+        raise PerfsimError(f"{flag} lists {len(nodes)} node counts; a scaling study takes at most {MAX_NODE_COUNTS}")
     return nodes
 
 
@@ -43,7 +50,7 @@ def run(args) -> None:
     from perfsim.scaling import scale
     from perfsim.spec.system import load_system
 
-    nodes = _node_list(args.nodes)
+    nodes = node_list(args.nodes)
     args.nodes = nodes[0]
     if args.model is None and args.system is None:  # the protocol: the built-in case's plan and scaling rules
         per_node = load_system(BUILTIN_CASE["system"]).node.devices_per_node
