@@ -4,8 +4,11 @@ the invalid ones by reason, evaluate the rest in vectorised batches, rank the on
 The space: tensor-parallel mode and size (1d with and without SP, 2d, 2.5d with every depth,
 3d keeping or re-gathering), pipeline size, schedule (GPipe, 1F1B, interleaved with every chunk
 count), data-parallel size (the rest of the devices), ZeRO stage, micro-batch size (divisors of
-the global batch), recomputation, and rank placement order. Validity rules are the vectorised
-twins of spec.plan.plan_problems (tests/test_search.py checks they agree plan by plan).
+the global batch), recomputation, attention kernel (unfused or flash), and rank placement order.
+Overlapped communication (dp_overlap with data parallelism, tp_overlap with 1d + SP) is never slower
+in the model and changes no memory, so it is not a dimension of the space: a plan overlaps wherever
+it can unless --fix turns it off. Validity rules are the vectorised twins of
+spec.plan.plan_problems (tests/test_search.py checks they agree plan by plan).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import Prediction, evaluate, predict
 from perfsim.spec.model import ModelSpec
-from perfsim.spec.plan import DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
+from perfsim.spec.plan import ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
 from perfsim.spec.system import System
 
 INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs")
-BOOL_KNOBS = ("sp", "tp_regather")
-TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS}
+BOOL_KNOBS = ("sp", "tp_regather", "dp_overlap", "tp_overlap")
+TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS,
+              "attention": ATTENTION}
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
 MOST_CANDIDATES = 10_000_000  # before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
@@ -118,6 +122,8 @@ def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
         for q in range(math.isqrt(tp // 2), 1, -1):  # tp = q x q x depth with depth >= 2, shallowest first
             if tp % (q * q) == 0:
                 configs.append(("2.5d", tp, tp // (q * q), False, False))
+    if fixes.get("tp_overlap") == {True}:  # only 1d + SP can overlap its collectives with its GEMMs
+        configs = [c for c in configs if c[3]]
     return [c for c in configs
             if ("tp_mode" not in fixes or c[0] in fixes["tp_mode"])
             and ("tp_depth" not in fixes or c[2] in fixes["tp_depth"])
@@ -143,6 +149,8 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     such plans come once, with the lowest stage --fix allows."""
     zeros = allowed_values(fixes, "zero", (0, 1, 2, 3))
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
+    kernels = [ATTENTION.index(a) for a in allowed_values(fixes, "attention", ATTENTION)]
+    overlap = {knob: int(True in fixes.get(knob, {True})) for knob in ("dp_overlap", "tp_overlap")}
     mbs_all = allowed_values(fixes, "mbs", _divisors(gbs))
     by_mode: dict = {}
     count = 0
@@ -152,7 +160,7 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue
             schedules = _schedules(model, pp, fixes)
-            count += len(schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes)
+            count += len(schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes) * len(kernels)
             if count > MOST_CANDIDATES:
                 raise PerfsimError(f"the search space for {devices:,} devices and global batch {gbs:,} holds more than "
                                    f"{MOST_CANDIDATES:,} candidate plans (the most perfsim searches); narrow it with "
@@ -161,11 +169,13 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
                 by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs))
     for mode, rows in by_mode.items():
         head = np.array(rows, dtype=float)
-        inner = np.array(list(itertools.product(zeros, recomputes)), dtype=float).reshape(-1, 2)
+        inner = np.array(list(itertools.product(zeros, recomputes, kernels)), dtype=float).reshape(-1, 3)
         table = np.repeat(head, len(inner), axis=0)
         tail = np.tile(inner, (len(head), 1))
         cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs"), table.T))
-        cols.update(zero=tail[:, 0], recompute=tail[:, 1], gbs=np.full(len(table), float(gbs)))
+        cols.update(zero=tail[:, 0], recompute=tail[:, 1], flash=tail[:, 2], gbs=np.full(len(table), float(gbs)),
+                    dp_overlap=overlap["dp_overlap"] * (cols["dp"] > 1),
+                    tp_overlap=overlap["tp_overlap"] * (cols["sp"] == 1) * (mode == "1d"))
         keep = (cols["dp"] > 1) | (cols["zero"] == zeros[0])
         yield mode, {k: v[keep] for k, v in cols.items()}
 
@@ -226,7 +236,17 @@ def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
     return Plan(tp=int(cols["tp"][i]), tp_mode=mode, tp_depth=int(cols["tp_depth"][i]), sp=bool(cols["sp"][i]),
                 pp=int(cols["pp"][i]), vpp=int(cols["vpp"][i]), schedule=SCHEDULES[int(cols["schedule"][i])],
                 dp=int(cols["dp"][i]), zero=int(cols["zero"][i]), mbs=int(cols["mbs"][i]), gbs=int(cols["gbs"][i]),
-                recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]))
+                recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]),
+                attention=ATTENTION[int(cols["flash"][i])], dp_overlap=bool(cols["dp_overlap"][i]),
+                tp_overlap=bool(cols["tp_overlap"][i]))
+
+
+def to_columns(mode: str, order: str, cols: dict) -> Columns:
+    """Candidate columns (one tensor-parallel mode and rank order) as the cost layer reads them."""
+    return Columns(tp=cols["tp"], pp=cols["pp"], dp=cols["dp"], vpp=cols["vpp"], mbs=cols["mbs"], gbs=cols["gbs"],
+                   sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
+                   tp_depth=cols["tp_depth"], regather=cols["regather"], flash=cols["flash"],
+                   dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"], tp_mode=mode, order=order)
 
 
 def _score(rank: str, r: dict, capacity: float):
@@ -260,10 +280,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
             for chunk in range(0, len(valid), BATCH):
                 index = valid[chunk: chunk + BATCH]
                 sub = {k: v[index] for k, v in cols.items()}
-                c = Columns(tp=sub["tp"], pp=sub["pp"], dp=sub["dp"], vpp=sub["vpp"], mbs=sub["mbs"], gbs=sub["gbs"],
-                            sp=sub["sp"], zero=sub["zero"], recompute=sub["recompute"], schedule=sub["schedule"],
-                            tp_depth=sub["tp_depth"], regather=sub["regather"], tp_mode=mode, order=order)
-                r = evaluate(model, system, c, dtype)
+                r = evaluate(model, system, to_columns(mode, order, sub), dtype)
                 evaluated += len(index)
                 fits = np.asarray(r["fits"], dtype=bool)
                 if (~fits).any():

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perfsim.cost.columns import Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
 from perfsim.search import (BATCH, TEXT_KNOBS, allowed_values, candidates, order_rows, pareto_front, plan_at,
-                            rejection_reasons)
+                            rejection_reasons, to_columns)
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -37,12 +36,6 @@ class Batch:
     order: str
     cols: dict
     result: dict
-
-
-def to_columns(mode: str, order: str, cols: dict) -> Columns:
-    return Columns(tp=cols["tp"], pp=cols["pp"], dp=cols["dp"], vpp=cols["vpp"], mbs=cols["mbs"], gbs=cols["gbs"],
-                   sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
-                   tp_depth=cols["tp_depth"], regather=cols["regather"], tp_mode=mode, order=order)
 
 
 def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None,
