@@ -125,20 +125,14 @@ def write_output(path: str, flag: str, text: str, executable: bool = False, exam
     usual permissions (executable ones if `executable`), under the umask; an existing file keeps
     its own."""
     check_output(path, flag, example)
+    # O_NONBLOCK: a FIFO put there since the check fails to open rather than waiting for a reader
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o777 if executable else 0o666)
-    except OSError as exc:
-        raise PerfsimError(f"{flag} {path} cannot be written: {_os_problem(exc)}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the check
-            raise PerfsimError(f"{flag} {path} is not a regular file; perfsim writes only regular files")
-        os.set_blocking(fd, True)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fd = None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the check
+                raise PerfsimError(f"{flag} {path} is not a regular file; perfsim writes only regular files")
+            os.set_blocking(fd, True)
             fh.write(text)
     except OSError as exc:
         raise PerfsimError(f"{flag} {path} cannot be written: {_os_problem(exc)}") from None
-    finally:
-        if fd is not None:
-            os.close(fd)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import math
 
-from perfsim.errors import PerfsimError, one_line
-from perfsim.files import MAX_LEDGER_BYTES, decode_text, open_input
+from perfsim.errors import one_line
+from perfsim.files import MAX_LEDGER_BYTES, open_input
 
 LEDGER_SCHEMA = 1
 SUITES = ("gemm", "memory", "attention", "collective", "tp_overhead")
@@ -64,10 +64,12 @@ def parse_line(raw: bytes):
     """(record, None) for one ledger line, or (None, why it is damaged)."""
     if len(raw) > MAX_LINE_BYTES:
         return None, f"longer than {MAX_LINE_BYTES >> 20} MiB"
+    if b"\0" in raw:
+        return None, "binary"
     try:
-        text = decode_text(raw, "the line")
-    except PerfsimError as exc:
-        return None, "binary" if "binary" in str(exc) else "not UTF-8"
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
     try:
         return json.loads(text, parse_float=_finite, parse_int=_int, parse_constant=_constant), None
     except _Damaged as exc:
