@@ -79,7 +79,7 @@ def parse_line(raw: bytes):
     except RecursionError:
         return None, "nested too deeply"
     except ValueError as exc:  # anything else json refuses
-        return None, str(exc).splitlines()[0][:80]
+        return None, (str(exc) or "not JSON").splitlines()[0][:80]
 
 
 def read_ledger(path: str, check=None, duplicates: list | None = None) -> tuple[list, list]:
@@ -98,10 +98,10 @@ def read_ledger(path: str, check=None, duplicates: list | None = None) -> tuple[
                 continue
             record, damage = parse_line(raw)
             why = f"is damaged ({damage})" if damage else check(record)
-            if why:
-                problems.append(f"line {number} {why}")
+            key = record.get("key") if isinstance(record, dict) else None
+            if why or not isinstance(key, str):  # a caller's `check` may not ask for the key
+                problems.append(f"line {number} {why or 'has no key'}")
                 continue
-            key = record["key"]
             records.pop(key, None)  # the last copy counts, in its place
             records[key] = record
             lines_of.setdefault(key, []).append(number)
