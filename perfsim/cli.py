@@ -96,10 +96,19 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
                         "(default auto: heaviest traffic on the fastest links)")
     g.add_argument("--tp-regather", dest="tp_regather", action="store_true", default=None,
                    help="3d: re-gather inputs and weights in backward instead of keeping the gathered copies")
+    g.add_argument("--attention", choices=("unfused", "flash"),
+                   help="attention core: two GEMMs around a softmax, or one fused (flash) kernel "
+                        "(default: the profile's framework.attention)")
+    g.add_argument("--dp-overlap", dest="dp_overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap data-parallel reductions and weight gathers with compute, bucket by bucket "
+                        "(default: the profile's framework.dp_overlap)")
+    g.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="1d + SP: pipeline the all-gathers and reduce-scatters with their GEMMs "
+                        "(default: the profile's framework.tp_overlap where the plan has --sp)")
 
 
 PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
-              "tp_axes", "tp_regather")
+              "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap")
 
 
 def is_builtin(args) -> bool:
@@ -162,6 +171,7 @@ def build_case(args):
     fields.setdefault("gbs", fields.get("mbs", 1) * fields["dp"])
     if fields.get("vpp", 1) > 1:
         fields.setdefault("schedule", "interleaved")
+    fields = stack_defaults(system, fields)
     plan = Plan(**fields)
     if plan.devices != devices:
         raise PerfsimError(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the "
@@ -170,6 +180,16 @@ def build_case(args):
     if problems:
         raise PerfsimError(_derived_dp_problem(args, plan, problems))
     return model, system, plan
+
+
+def stack_defaults(system, fields: dict) -> dict:
+    """`fields` with what the profile's software stack does by default where the flags say nothing:
+    its attention kernel, and whether it overlaps data-parallel and (1d + SP) tensor-parallel
+    communication with compute (an overlap the plan cannot have is left off, not an error)."""
+    fw = system.framework
+    sp_1d = bool(fields.get("sp")) and fields.get("tp_mode", "1d") == "1d" and fields.get("tp", 1) > 1
+    return {"attention": fw.attention, "dp_overlap": bool(fw.dp_overlap) and fields.get("dp", 1) > 1,
+            "tp_overlap": bool(fw.tp_overlap) and sp_1d} | fields
 
 
 def _derived_dp_problem(args, plan, problems: list) -> str:

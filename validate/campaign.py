@@ -95,6 +95,8 @@ def worker_argv(options: Options) -> list:
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
+            elif key in ("dp_overlap", "tp_overlap"):  # on/off flags whose default comes from the profile
+                argv.append("--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
     if options.quick:

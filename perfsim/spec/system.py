@@ -146,6 +146,9 @@ class Framework:
     # Optional: the attention kernel a plan runs when it names none (`--attention`): "unfused"
     # (two batched GEMMs around a softmax, the SC21-era stacks) or "flash" (one fused kernel).
     attention: str = "unfused"
+    # Optional, 0 or 1: whether plans with 1d + SP pipeline their tensor-parallel collectives with
+    # the GEMMs by default (the plan's tp_overlap; Megatron-Core's --tp-comm-overlap).
+    tp_overlap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ _RULES = {
 }
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
-                           "sp_layer_overhead_s": _NONNEG},
+                           "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True)},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
@@ -306,9 +309,11 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
-    if sections["framework"]["dp_overlap"] not in (0, 1):
-        raise PerfsimError(f"{where}: framework.dp_overlap.value must be 0 or 1 (whether plans overlap data-parallel "
-                           f"communication by default), got {sections['framework']['dp_overlap']!r}")
+    for key, what in (("dp_overlap", "data-parallel"), ("tp_overlap", "tensor-parallel")):
+        value = sections["framework"].get(key, 0)
+        if value not in (0, 1):
+            raise PerfsimError(f"{where}: framework.{key}.value must be 0 or 1 (whether plans overlap {what} "
+                               f"communication by default), got {value!r}")
     node = sections["node"]
     if node["devices_per_node"] % node["devices_per_card"]:
         raise PerfsimError(f"{where}: node.devices_per_node must be a multiple of node.devices_per_card")
