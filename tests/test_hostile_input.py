@@ -589,7 +589,9 @@ NUMBER_CASES = [
      "--tokens"),
     ("search-devices-two-million", ["search", *PREDICT, "--devices", "2000000", "--gbs", "8", "--quiet"], "error",
      "devices"),
-    ("search-devices-prime", ["search", *PREDICT, "--devices", "100003", "--gbs", "100003", "--quiet"], "either", None),
+    ("search-devices-prime", ["search", *PREDICT, "--devices", "10007", "--gbs", "10007", "--quiet"], "either", None),
+    ("search-devices-prime-near-2-to-40", ["search", *PREDICT, "--devices", PRIME_BELOW_2_40, "--gbs", "8", "--quiet"],
+     "error", "devices"),
     ("search-fix-range-10-to-30", ["search", *PREDICT, "--devices", "8", "--gbs", "8", "--fix", f"pp=1..{BIG}",
                                    "--quiet"], "either", None),
     ("search-fix-word", ["search", *PREDICT, "--devices", "8", "--gbs", "8", "--fix", "pp=many"], "error", "pp"),
@@ -755,7 +757,7 @@ def _mutations(record: dict):
             yield from _mutations(value)
 
 
-@settings(FAST, max_examples=30)
+@settings(FAST, max_examples=20)
 @given(which=st.integers(min_value=0), value=JSON, drop=st.booleans(), suite=st.sampled_from(
     ["gemm", "memory", "collective", "attention", "tp_overhead"]))
 def test_a_record_the_reader_accepts_never_breaks_the_fit(tmp_path_factory, base_records, which, value, drop, suite):
