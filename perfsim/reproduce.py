@@ -11,7 +11,8 @@ with full recomputation and no sequence parallelism, as in the paper.
 from __future__ import annotations
 
 from perfsim.predict import Prediction, predict
-from perfsim.published import SC21_TABLE1, Sc21Row
+from perfsim.published import (H100_PEAK, H100_SEQ, H100_VOCAB, MEGATRON_H100_STRONG_177B, MEGATRON_H100_WEAK,
+                               SC21_TABLE1, H100Row, Sc21Row)
 from perfsim.spec.model import ModelSpec, build_model, load_model
 from perfsim.spec.plan import Plan, plan_problems
 from perfsim.spec.system import System, load_system
@@ -244,6 +245,77 @@ def smng_tp_markdown(rows: list[Prediction]) -> str:
     return "\n".join(out)
 
 
+# The H100 table's stated knobs (published.md section 6): 1d tensor parallelism, the distributed
+# optimizer (ZeRO-1), fused attention; overlapped data- and tensor-parallel communication, which
+# perfsim search applies wherever a plan can have it. The rest (micro-batch, interleaving, SP,
+# recomputation) the search chooses, as NVIDIA tuned them.
+H100_STATED = {"tp_mode": {"1d"}, "zero": {1}, "attention": {"flash"}}
+# Rows whose measurements dgx-h100's device.gemm_efficiency was fitted to (the others are held out).
+H100_FITTED = ("1.7B", "16B", "70B", "177B", "462B")
+
+
+def h100_model(row: H100Row) -> ModelSpec:
+    return build_model(f"gpt-{row.name.lower()}", {"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
+                                                   "seq": H100_SEQ, "vocab": H100_VOCAB, "tied_embeddings": False},
+                       "Megatron-LM H100 table")
+
+
+def h100_best(row: H100Row, system: System, dp: int | None = None) -> Prediction:
+    """The fastest plan perfsim search finds with the row's sizes and the stated knobs fixed."""
+    from perfsim.search import search
+
+    dp = row.dp if dp is None else dp
+    fixes = dict(H100_STATED, tp={row.tp}, pp={row.pp}, dp={dp})
+    return search(h100_model(row), system, row.tp * row.pp * dp, row.batch, fixes, top=1).plans[0]
+
+
+def measured_step_s(p: Prediction, tflops_per_gpu: float) -> float:
+    """The step time a published TFLOP/s per GPU stands for, by the same (model) FLOP count."""
+    return p.model_flops_per_step / (tflops_per_gpu * 1e12 * p.devices)
+
+
+def h100_table(system: System | None = None) -> list[tuple[H100Row, Prediction]]:
+    system = system or load_system("dgx-h100")
+    return [(row, h100_best(row, system)) for row in MEGATRON_H100_WEAK]
+
+
+def h100_strong(system: System | None = None) -> list[tuple[int, float, Prediction]]:
+    """(GPUs, published MFU, prediction) at the 177B strong-scaling endpoints."""
+    system = system or load_system("dgx-h100")
+    row = next(r for r in MEGATRON_H100_WEAK if r.name == "177B")
+    return [(gpus, mfu, h100_best(row, system, gpus // (row.tp * row.pp))) for gpus, mfu in MEGATRON_H100_STRONG_177B]
+
+
+def h100_markdown(rows, strong) -> str:
+    out = ["| model | TP | PP | DP | batch | chosen micro-batch, v, SP, recompute | predicted step | published step | "
+           "error | predicted MFU | published | compute | TP comm | bubble | DP comm |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    errors = {"fitted": [], "held out": []}
+    for row, p in rows:
+        published = measured_step_s(p, row.tflops_per_gpu)
+        err = p.step_time_s / published - 1
+        errors["fitted" if row.name in H100_FITTED else "held out"].append(err)
+        share = {k: v / p.step_time_s for k, v in p.time_breakdown_s.items()}
+        plan = p.plan
+        out.append(f"| {row.name}{' (fitted)' if row.name in H100_FITTED else ''} | {row.tp} | {row.pp} | {row.dp} | "
+                   f"{row.batch} | {plan.mbs}, {plan.vpp}, {'SP' if plan.sp else '-'}, {plan.recompute} | "
+                   f"{p.step_time_s:.3f} s | {published:.3f} s | {err:+.1%} | {p.mfu:.1%} | "
+                   f"{row.tflops_per_gpu * 1e12 / H100_PEAK:.1%} | {share['compute'] + share['recompute']:.0%} | "
+                   f"{share['tp_comm']:.0%} | {share['pp_bubble']:.0%} | {share['dp_comm']:.0%} |")
+    every = errors["fitted"] + errors["held out"]
+    out.append("")
+    for name, errs in (("all nine", every), ("held out", errors["held out"]), ("fitted", errors["fitted"])):
+        out.append(f"- {name}: mean absolute error {sum(map(abs, errs)) / len(errs):.1%}, largest "
+                   f"{max(map(abs, errs)):.1%}, mean {sum(errs) / len(errs):+.1%}")
+    out.append("")
+    out.append("| 177B, global batch 1152 | chosen micro-batch, v | predicted MFU | published MFU | step time error |")
+    out.append("|---|---|---|---|---|")
+    for gpus, mfu, p in strong:
+        out.append(f"| {gpus} GPUs (DP {p.plan.dp}) | {p.plan.mbs}, {p.plan.vpp} | {p.mfu:.1%} | {mfu:.0%} | "
+                   f"{mfu / p.mfu - 1:+.1%} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print("## SC21 Table 1 on dgx-a100\n")
     print(sc21_markdown(sc21_table()))
@@ -258,3 +330,5 @@ if __name__ == "__main__":
     print(tp3d_markdown())
     print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")
     print(smng_tp_markdown(smng_tp_modes()))
+    print("\n## Megatron-LM on H100 (dgx-h100)\n")
+    print(h100_markdown(h100_table(), h100_strong()))
