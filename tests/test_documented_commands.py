@@ -30,6 +30,8 @@ NOT_RUN = {
     "perfsim calibrate --device cpu --nproc 2 --suites memory --no-fit --ledger hwprofiles/ledgers/calibration-cpu.jsonl":
         MINUTES + "; it would also append to the committed ledger",
     "perfsim validate --device cpu --nproc 2": "runs real training steps of 13 plans on torch ranks: minutes",
+    "perfsim calibrate --device cpu --nproc 2 --system cpu-calibrated --out cpu-HOST.toml":
+        MINUTES + " (the command validate's mismatch warning prints)",
     "perfsim validate --device cpu --nproc 2 --steps 4 --rounds 6 --ledger hwprofiles/ledgers/validation-cpu.jsonl":
         "runs real training steps for an hour; it would also append to the committed ledger",
 }
@@ -41,6 +43,8 @@ SYNOPSES = {
     "perfsim validate --device cpu --nproc 2 [--model SPEC] [--plans tp=2,sp=true;pp=2,gbs=8] [--steps 3] "
     "[--warmup 1] [--rounds 1] [--ledger validation-cpu.jsonl] [--timeout 300] [--json]":
         (None, "a synopsis of real training steps on torch ranks: minutes"),
+    "perfsim validate --device cpu --nproc 2 ... --system cpu-HOST.toml":
+        (None, "validate's mismatch warning ('...': the options of the run just made); real training steps: minutes"),
     "perfsim validate --megatron-log train.log --model sc21-1.7b --system dgx-a100 --devices 8 --tp 2 --mbs 4 "
     "--gbs 64 [--json]":
         ("perfsim validate --megatron-log train.log --model sc21-1.7b --system dgx-a100 --devices 8 --tp 2 --mbs 4 "
