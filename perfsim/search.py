@@ -180,6 +180,16 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
         yield mode, {k: v[keep] for k, v in cols.items()}
 
 
+def valid_batches(cols: dict, rows: dict, invalid: np.ndarray):
+    """(order, columns of at most BATCH plans) for every rank order of `rows` (order_rows) and
+    the valid rows it is a candidate for: what the search evaluates, call by call."""
+    for order, mask in rows.items():
+        valid = np.flatnonzero(mask & ~invalid)
+        for chunk in range(0, len(valid), BATCH):
+            index = valid[chunk: chunk + BATCH]
+            yield order, {k: v[index] for k, v in cols.items()}
+
+
 def order_rows(cols: dict, orders) -> dict:
     """For each rank order of `orders`, the rows (a mask) it is a candidate for: orders that differ
     only in where size-1 dimensions sit number the ranks alike, so a row takes the first of them."""
@@ -275,29 +285,25 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
             if new.any():
                 rejected[reason] = rejected.get(reason, 0) + int(times[new].sum())
             invalid |= mask
-        for order in orders:
-            valid = np.flatnonzero(rows[order] & ~invalid)
-            for chunk in range(0, len(valid), BATCH):
-                index = valid[chunk: chunk + BATCH]
-                sub = {k: v[index] for k, v in cols.items()}
-                r = evaluate(model, system, to_columns(mode, order, sub), dtype)
-                evaluated += len(index)
-                fits = np.asarray(r["fits"], dtype=bool)
-                if (~fits).any():
-                    too_big = "does not fit in device memory"
-                    rejected[too_big] = rejected.get(too_big, 0) + int((~fits).sum())
-                feasible += int(fits.sum())
-                ok = np.flatnonzero(fits)
-                if len(ok):
-                    score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
-                    speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
-                    best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
-                    chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
-                    position = {int(i): j for j, i in enumerate(ok)}
-                    kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
-                              float(memory[position[i]])) for i in chosen]
-                if progress and space > 1_000_000:
-                    progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
+        for order, sub in valid_batches(cols, rows, invalid):
+            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
+            evaluated += len(sub["tp"])
+            fits = np.asarray(r["fits"], dtype=bool)
+            if (~fits).any():
+                too_big = "does not fit in device memory"
+                rejected[too_big] = rejected.get(too_big, 0) + int((~fits).sum())
+            feasible += int(fits.sum())
+            ok = np.flatnonzero(fits)
+            if len(ok):
+                score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
+                speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
+                best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
+                chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
+                position = {int(i): j for j, i in enumerate(ok)}
+                kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
+                          float(memory[position[i]])) for i in chosen]
+            if progress and space > 1_000_000:
+                progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
     seconds = time.perf_counter() - start
     if feasible == 0:
         raise PerfsimError(_nothing_fits(evaluated, rejected, devices, gbs))

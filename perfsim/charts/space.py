@@ -14,8 +14,8 @@ import numpy as np
 
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
-from perfsim.search import (BATCH, TEXT_KNOBS, allowed_values, candidates, order_rows, pareto_front, plan_at,
-                            rejection_reasons, to_columns)
+from perfsim.search import (TEXT_KNOBS, allowed_values, candidates, order_rows, pareto_front, plan_at,
+                            rejection_reasons, to_columns, valid_batches)
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
@@ -58,17 +58,13 @@ def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict 
         event = Rejected(mode, cols, first, rows)
         for c in consumers:
             c.add(event)
-        for order in orders:
-            valid = np.flatnonzero(rows[order] & ~invalid)
-            for chunk in range(0, len(valid), BATCH):
-                index = valid[chunk: chunk + BATCH]
-                sub = {k: v[index] for k, v in cols.items()}
-                r = evaluate(model, system, to_columns(mode, order, sub), dtype)
-                counts["evaluated"] += len(index)
-                counts["feasible"] += int(np.count_nonzero(r["fits"]))
-                batch = Batch(mode, order, sub, r)
-                for c in consumers:
-                    c.add(batch)
+        for order, sub in valid_batches(cols, rows, invalid):
+            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
+            counts["evaluated"] += len(sub["tp"])
+            counts["feasible"] += int(np.count_nonzero(r["fits"]))
+            batch = Batch(mode, order, sub, r)
+            for c in consumers:
+                c.add(batch)
     return counts
 
 
