@@ -327,6 +327,9 @@ def pareto_front(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:
 
 def _nothing_fits(evaluated: int, rejected: dict, devices: int, gbs: int) -> str:
     top = ", ".join(f"{reason} ({count:,})" for reason, count in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
+    if not rejected:
+        return (f"no valid plan for {devices} devices and global batch {gbs}: the --fix values (and plan flags) "
+                "given leave no candidate (say, tp 1 with sp, or a tp or pp that does not divide the devices); relax them")
     if evaluated == 0:
         return (f"no valid plan for {devices} devices and global batch {gbs}: every candidate was rejected ({top}); "
                 "relax --fix, or change the device count or --gbs")

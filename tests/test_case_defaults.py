@@ -106,3 +106,16 @@ def test_predict_error_without_a_dp_problem_only_adds_the_search(capsys):
                            "--tp-mode", "2d", "--gbs", "320"], capsys)
     assert code == 2 and err.count("\n") == 1
     assert "2d tensor parallelism needs a square" in err and "dp =" not in err and "perfsim search" in err
+
+
+def test_the_message_writes_flags_as_typed(tmp_path, capsys):
+    code, out, err = _run(["chart", "memory", *CASE, "--tp", "1", "--zero", "1", "--no-dp-overlap", "--top", "0",
+                           "--out", str(tmp_path / "m.html")], capsys)
+    assert code == 0, err
+    assert "with --tp 1, --zero 1, --no-dp-overlap:" in err
+
+
+def test_flags_that_leave_no_candidate_say_so(tmp_path, capsys):
+    code, out, err = _run(["chart", "memory", *CASE, "--tp", "1", "--sp", "--out", str(tmp_path / "m.html")], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "no valid plan" in err and "leave no candidate" in err and "()" not in err

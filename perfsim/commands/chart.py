@@ -110,8 +110,7 @@ class Case:
         plan = result.plans[0].plan.replace(**applied)
         if not knobs and not applied:
             self.found = result
-        flags = ", ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                          for k, v in self.given.items() if k != "gbs")
+        flags = ", ".join(_as_flag(k, v) for k, v in self.given.items() if k != "gbs")
         self.chosen = (f"{'no plan flags given' if not flags else 'plan flags left out'}: using the best plan "
                        f"perfsim search finds{f' with {flags}' if flags else ''}")
         if self._announce:
@@ -142,6 +141,12 @@ class Case:
 
             return SMNG_STRONG_GBS
         return self.gbs
+
+
+def _as_flag(field: str, value) -> str:
+    """A plan flag as it is typed: --tp 8, --sp, --no-dp-overlap."""
+    name = field.replace("_", "-")
+    return f"--{name}" if value is True else f"--no-{name}" if value is False else f"--{name} {value}"
 
 
 def figure_for(kind: str, case: Case, args):
