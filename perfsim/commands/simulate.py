@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from perfsim.errors import PerfsimError
+
 ZERO_BUBBLE = "zb-h1"
 
 
@@ -36,6 +38,8 @@ def run(args) -> None:
             check_output(path, flag, example)
     schedule = None
     if args.schedule == ZERO_BUBBLE:
+        if args.vpp is not None and args.vpp > 1:  # before the plan is built: the flags contradict each other
+            raise PerfsimError("zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved")
         schedule, args.schedule = ZERO_BUBBLE, None
     model, system, plan = build_case(args)
     sim = simulate(model, system, plan, dtype=args.dtype, schedule=schedule)
