@@ -31,6 +31,16 @@ SC21_VOCAB = 51200
 GPT2_VOCAB = 50257
 
 
+def pieces_exposed(total: float, window: float, pieces: int) -> float:
+    """Hand count of overlapped communication: `pieces` equal pieces of `total` seconds, piece j
+    ready after j/pieces of a `window`-second compute phase, sent one after another; how long the
+    last one ends after the window (written out piece by piece, not as perfsim's closed form)."""
+    end = 0.0
+    for j in range(1, pieces + 1):
+        end = max(end, window * j / pieces) + total / pieces
+    return end - window
+
+
 def padded_vocab(vocab: int, tp: int, divisor: int = 128) -> int:
     """Megatron's padding: the smallest multiple of divisor x tp that holds the vocabulary."""
     multiple = divisor * tp

@@ -9,6 +9,8 @@ from perfsim.cost.columns import columns_of
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero_microbatch_times
 from perfsim.cost.topology import TopologyCommModel
 
+from conftest import pieces_exposed
+
 
 @pytest.fixture
 def case():
@@ -27,11 +29,8 @@ def test_zero2_overlap_exposes_the_last_bucket_and_what_the_backward_cannot_hide
     scatter, _ = zero_microbatch_times(system, comm, c, params)
     scatter = float(scatter)
     for backward in (0.0, 0.25 * scatter, 10 * scatter):
-        end = 0.0
-        for j in range(1, buckets + 1):
-            end = max(end, backward * j / buckets) + scatter / buckets
         exposed = microbatch_reduction_time(system, comm, c, params, busy=0.0, backward=backward, buckets=buckets)
-        assert float(exposed) == pytest.approx(end - backward)
+        assert float(exposed) == pytest.approx(pieces_exposed(scatter, backward, buckets))
     off = dataclasses.replace(c, dp_overlap=0)
     assert float(microbatch_reduction_time(system, comm, off, params, 0.0, 10 * scatter, buckets=buckets)) == \
         pytest.approx(scatter)

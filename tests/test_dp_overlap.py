@@ -22,17 +22,12 @@ from perfsim.predict import predict
 from perfsim.schedule.simulator import predict_simulated
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan, canonical
-from perfsim.spec.system import load_system, parse_system
 from perfsim.spec._toml import read_toml
+from perfsim.spec.system import load_system, parse_system
+
+from conftest import pieces_exposed as exposed
 
 MODEL = load_model("layers=8,hidden=2048,heads=16,seq=2048,vocab=32000")
-
-
-def exposed(total: float, window: float, n: int) -> float:
-    end = 0.0
-    for j in range(1, n + 1):
-        end = max(end, window * j / n) + total / n
-    return end - window
 
 
 @pytest.mark.parametrize("zero", [0, 1])

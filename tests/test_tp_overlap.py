@@ -22,14 +22,9 @@ from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan, plan_problems
 from perfsim.spec.system import load_system
 
+from conftest import pieces_exposed as exposed
+
 MODEL = load_model("layers=8,hidden=4096,heads=32,seq=4096,vocab=32000")
-
-
-def exposed(comm: float, window: float, chunks: int) -> float:
-    end = 0.0
-    for j in range(1, chunks + 1):
-        end = max(end, window * j / chunks) + comm / chunks
-    return end - window
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
