@@ -338,3 +338,14 @@ def test_validate_against_a_profile_this_machine_does_not_match(run_cli, tmp_pat
     assert [e["machine_matches_profile"] for e in as_json.json()] == [False]
     assert as_json.json()[0]["machine_speed"]["probe_over_profile"] == pytest.approx(slower)
     assert f"WARNING: this machine runs GEMMs {slower:.1f}x slower" in as_json.err
+
+
+@pytest.mark.parametrize("field, value", [("attention", "flash"), ("dp_overlap", True), ("tp_overlap", True)])
+def test_knobs_the_harness_does_not_run_are_refused_before_anything_runs(run_cli, tmp_path, field, value):
+    """The harness runs Megatron's unfused attention and issues collectives between computations:
+    a plan asking for something else would compare a measurement of one thing with a prediction
+    of another."""
+    plan = f"tp=2,sp=true,{field}={str(value).lower()}"
+    r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--plans", plan, "--ledger", str(tmp_path / "l.jsonl"))
+    assert r.code == 2 and r.err.startswith("perfsim: error:") and r.err.count("\n") == 1
+    assert "harness" in r.err and field.split("_")[0] in r.err

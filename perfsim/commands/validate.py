@@ -135,7 +135,7 @@ def emit_slurm(args) -> None:
     model = load_model(model_spec)
     plans, defaulted = _chosen_plans(args, world, model=model_spec, system=None, nodes=None)
     for plan in plans:
-        problems = plan_problems(plan, model, world)
+        problems = plan_problems(plan, model, world) + timing.harness_problems(plan)
         if problems:
             raise PerfsimError(f"plan {timing.plan_label(plan)} on {world} tiles: {'; '.join(problems)}"
                                + (" (give --plans for this node count)" if defaulted else ""))
