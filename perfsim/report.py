@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from perfsim.predict import Prediction
+from perfsim.spec.plan import stack_words
 
 
 def _bytes(n: float) -> str:
@@ -25,7 +26,8 @@ def format_prediction(p: Prediction) -> str:
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
         f"plan: TP {plan.tp} ({plan.tp_mode}{sp}) x PP {plan.pp} ({plan.schedule}{vpp}) x DP {plan.dp}, "
         f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs} "
-        f"({plan.microbatches} micro-batches per pipeline), recompute {plan.recompute}, order {plan.order}",
+        f"({plan.microbatches} micro-batches per pipeline), recompute {plan.recompute}, order {plan.order}"
+        + (f", {stack_words(plan)}" if stack_words(plan) else ""),
         "",
         f"step time          {_time(p.step_time_s)}",
         f"throughput         {p.tokens_per_s:12,.0f} tokens/s   {p.samples_per_s:.3f} samples/s",

@@ -4,6 +4,7 @@ the page style."""
 from __future__ import annotations
 
 from perfsim.schedule.analytic import BREAKDOWN_KEYS
+from perfsim.spec.plan import stack_words
 
 GIB = 2.0 ** 30
 
@@ -44,12 +45,13 @@ def plan_label(plan, short: bool = True) -> str:
     if plan.tp_regather:
         mode += " regather"
     schedule = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else "")
+    stack = stack_words(plan)
     if short:
         return (f"TP{plan.tp} {mode} | PP{plan.pp} {schedule} | DP{plan.dp} | ZeRO-{plan.zero} | "
-                f"mbs {plan.mbs} | recompute {plan.recompute}")
+                f"mbs {plan.mbs} | recompute {plan.recompute}" + (f" | {stack}" if stack else ""))
     return (f"tensor parallel {plan.tp} ({mode}), pipeline {plan.pp} ({schedule}), data parallel {plan.dp}, "
             f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs}, recompute {plan.recompute}, "
-            f"rank order {plan.order}")
+            f"rank order {plan.order}" + (f", {stack}" if stack else ""))
 
 
 def case_line(model, system, devices: int, gbs: int | None = None) -> str:

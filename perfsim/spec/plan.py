@@ -63,6 +63,14 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def stack_words(plan: Plan) -> str:
+    """The plan's choices of today's stacks in words, "" for none (unfused attention, nothing
+    overlapped): "flash attention, TP overlap, DP overlap"."""
+    words = ["flash attention"] if plan.attention == "flash" else []
+    words += [f"{name} overlap" for name, on in (("TP", plan.tp_overlap), ("DP", plan.dp_overlap)) if on]
+    return ", ".join(words)
+
+
 def canonical_order(order: str, tp: int, dp: int, pp: int, orders=ORDERS) -> str:
     """The first of `orders` that numbers the ranks as `order` does. A dimension of size 1 takes
     no place in the numbering, so orders that differ only in where it sits are one layout."""
