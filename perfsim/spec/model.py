@@ -25,13 +25,21 @@ class ModelSpec:
     vocab: int
     ffn: int = 0  # 0 means 4 x hidden
     kv_heads: int = 0  # 0 means heads (multi-head attention); fewer means grouped-query
-    gated_mlp: bool = False  # SwiGLU-style MLP: two input projections of ffn columns
+    gated_mlp: bool = False  # SwiGLU-style MLP: two input projections of ffn columns (activation "swiglu")
     tied_embeddings: bool = True  # output layer shares the input embedding's weights
     bias: bool = True  # linear layers and norms carry biases (GPT) or not (Llama)
     norm: str = "layernorm"  # "layernorm" (gamma, beta) or "rmsnorm" (gamma only)
     learned_positions: bool = True  # a [seq, hidden] position embedding (GPT) or rotary (none)
     dropout: bool = True  # dropout layers present (they keep masks for backward)
     vocab_divisor: int = 128  # Megatron's make-vocab-size-divisible-by
+    # The MLP's activation: "gelu" (GPT), "swiglu" (Llama; the same as gated_mlp, which build_model
+    # keeps in step with it) or "squared-relu" (Primer, Nemotron: relu(x)^2, priced as gelu is)
+    activation: str = "gelu"
+
+    def __post_init__(self):  # a spec built directly with gated_mlp = True is a SwiGLU model
+        if self.gated_mlp and self.activation == "gelu":
+            object.__setattr__(self, "activation", "swiglu")
+        object.__setattr__(self, "gated_mlp", self.activation == "swiglu")
 
     @property
     def ffn_size(self) -> int:
@@ -63,13 +71,14 @@ class ModelSpec:
 
 
 _INT_FIELDS = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "vocab_divisor")
+ACTIVATIONS = ("gelu", "swiglu", "squared-relu")
 _BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout")
 _REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 
 
 def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     """Check raw fields (from a preset, an inline spec or a TOML file) and build the spec."""
-    known = sorted(set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name"})
+    known = sorted(set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name", "activation"})
     unknown = [key for key in fields if key not in known]
     if unknown:
         raise PerfsimError(f"{where}: unknown model field {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
@@ -93,12 +102,27 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
         raise PerfsimError(f"{where}: model field name must be a non-empty string, got {fields['name']!r}")
     if fields.get("norm", "layernorm") not in ("layernorm", "rmsnorm"):
         raise PerfsimError(f"{where}: model field norm must be layernorm or rmsnorm, got {fields['norm']!r}")
+    fields = _activation(fields, where)
     spec = ModelSpec(name=str(fields.get("name", name)), **{k: v for k, v in fields.items() if k != "name"})
     if spec.hidden % spec.heads:
         raise PerfsimError(f"{where}: hidden ({spec.hidden}) must be a multiple of heads ({spec.heads})")
     if spec.heads % spec.kv_head_count:
         raise PerfsimError(f"{where}: heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_head_count})")
     return spec
+
+
+def _activation(fields: dict, where: str) -> dict:
+    """`fields` with activation and gated_mlp in step: gated_mlp = true is the old spelling of
+    activation = swiglu; the two may not disagree."""
+    activation = fields.get("activation")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise PerfsimError(f"{where}: model field activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    gated = fields.get("gated_mlp")
+    if activation is not None and gated is not None and gated != (activation == "swiglu"):
+        raise PerfsimError(f"{where}: gated_mlp = {str(gated).lower()} contradicts activation = {activation} "
+                           "(gated_mlp = true is the old spelling of activation = swiglu); give one of them")
+    activation = activation or ("swiglu" if gated else "gelu")
+    return {**fields, "activation": activation, "gated_mlp": activation == "swiglu"}
 
 
 def _quoted(text: str) -> str:
@@ -118,7 +142,7 @@ def _parse_inline(text: str) -> dict:
             raise PerfsimError(f"model spec {_quoted(text)}: {key} is given twice")
         if raw.lower() in ("true", "false"):
             fields[key] = raw.lower() == "true"
-        elif key == "norm" or key == "name":
+        elif key in ("norm", "name", "activation"):
             fields[key] = raw
         else:
             try:
