@@ -355,6 +355,16 @@ class Stats:
                 "repeats": len(t), "number": number}
 
 
+# A call slower than LONG_CALL_S is its own warm-up (its first call pays the one-off costs, which a
+# call this long dwarfs anyway) and is repeated only while its point stays within LONG_POINT_S, at
+# least LONG_REPEATS times. On a machine far slower than the sweep was sized for (bf16 GEMMs on a
+# CPU without bf16 instructions run 60-90x slower than fp32: 2.35 s for one 1024^3 product on
+# this project's AVX2 VM) a campaign then takes minutes per sweep instead of hours.
+LONG_CALL_S = 0.5
+LONG_POINT_S = 4.0
+LONG_REPEATS = 2
+
+
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
                 max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None,
                 min_number: int = 1):
@@ -365,21 +375,28 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
     repetitions (up to `max_repeats_factor` x `repeats` while they fit in `budget_s`): noise hits
     short ops hardest; `min_number` is the fewest calls a repetition makes. `agree(seconds)` makes every rank use the slowest rank's estimate
     (collectives must make the same calls everywhere); `before()` runs untimed before each
-    repetition."""
-    for _ in range(warmup):
-        fn()
-    device.sync()
+    repetition. A call longer than LONG_CALL_S: one call per repetition, few repetitions."""
     timer = device.timer()
-    if before:
-        before()
-    timer.start()
-    fn()
-    estimate = max(timer.stop(), 1e-9)
-    if agree:
-        estimate = max(agree(estimate), 1e-9)
-    number = int(min(max_number, max(min_number, math.ceil(min_time_s / estimate))))
-    extra = int(budget_s / (number * estimate))
-    repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
+
+    def timed_call() -> float:
+        device.sync()
+        if before:
+            before()
+        timer.start()
+        fn()
+        seconds = max(timer.stop(), 1e-9)
+        return max(agree(seconds), 1e-9) if agree else seconds
+
+    first = timed_call()  # the first warm-up call, timed: a long call needs no other
+    if first > LONG_CALL_S:
+        number, repeats = 1, max(LONG_REPEATS, min(repeats, int(LONG_POINT_S / first)))
+    else:
+        for _ in range(warmup - 1):
+            fn()
+        estimate = timed_call()
+        number = int(min(max_number, max(min_number, math.ceil(min_time_s / estimate))))
+        extra = int(budget_s / (number * estimate))
+        repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
     times, cpu_times = [], [] if cpu_clock else None
     for _ in range(repeats):
         if before:

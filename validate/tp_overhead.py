@@ -137,14 +137,25 @@ def dtensor_block(torch, cfg, mesh, sp: bool, dtype, device):
     return block
 
 
-def time_layers(torch, device, blocks: dict, x, repeats: int) -> dict:
+# A point's timed rounds stop early once they have taken this long (at least MIN_ROUNDS of them):
+# on a machine far slower than the suite was sized for (bf16 layers without bf16 instructions) 24
+# rounds of a layer pair took minutes a point.
+ROUNDS_BUDGET_S = 30.0
+MIN_ROUNDS = 6
+
+
+def time_layers(torch, device, blocks: dict, x, repeats: int, budget_s: float = ROUNDS_BUDGET_S) -> dict:
     """Forward and backward seconds of each of `blocks` (name -> module) on input `x`, the blocks
-    run alternately `repeats` times after one untimed round; each time is the slowest rank's
-    (every rank returns the same)."""
+    run alternately `repeats` times after one untimed round, fewer (MIN_ROUNDS at least) where the
+    timed rounds pass `budget_s`; each time is the slowest rank's (every rank returns the same, so
+    every rank stops after the same round)."""
     import torch.distributed as dist
 
     times = {name: ([], []) for name in blocks}
     for i in range(repeats + 1):
+        spent = sum(sum(f) + sum(b) for f, b in times.values())
+        if i > MIN_ROUNDS and spent > budget_s:
+            break
         for name, block in blocks.items():
             inp = x.detach().requires_grad_()
             dist.barrier()

@@ -1,0 +1,70 @@
+"""validate.microbench.repetitions: how many calls a point costs. A call slower than LONG_CALL_S
+is its own warm-up and is repeated only while the point stays within LONG_POINT_S (at least
+LONG_REPEATS times): a machine far slower than the sweep was sized for (bf16 GEMMs on an AVX2 CPU:
+1 GFLOP/s) must not turn a calibration into hours. Faster calls are timed as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from validate import microbench as mb
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+
+class FakeTimer:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def start(self):
+        self.t0 = self.clock.now
+
+    def stop(self):
+        return self.clock.now - self.t0
+
+
+class FakeDevice:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def sync(self):
+        pass
+
+    def timer(self):
+        return FakeTimer(self.clock)
+
+
+def run(call_s: float, warmup: int = 2, repeats: int = 5, agree=None):
+    clock, calls = Clock(), []
+
+    def fn():
+        calls.append(clock.now)
+        clock.now += call_s
+    times, number, _ = mb.repetitions(FakeDevice(clock), fn, warmup, repeats, 2e-3, agree=agree)
+    return times, number, len(calls), clock.now
+
+
+@pytest.mark.parametrize("call_s", [0.6, 1.5, 17.0])
+def test_a_long_call_is_its_own_warm_up_and_the_point_stays_short(call_s):
+    times, number, calls, spent = run(call_s)
+    assert number == 1
+    assert len(times) == max(mb.LONG_REPEATS, min(5, int(mb.LONG_POINT_S / call_s)))
+    assert calls == 1 + len(times)  # no warm-up beyond the first, timed call
+    assert times == pytest.approx([call_s] * len(times))
+    assert spent <= max(mb.LONG_POINT_S + call_s, (1 + mb.LONG_REPEATS) * call_s) + 1e-9
+
+
+def test_a_short_call_is_warmed_up_and_batched_as_before():
+    times, number, calls, _ = run(1e-4, warmup=2, repeats=5)
+    assert number == 20  # 2 ms per repetition at 0.1 ms a call
+    assert calls == 1 + 1 + 1 + number * len(times)  # first call, one more warm-up, the estimate, the repetitions
+    assert len(times) >= 5
+
+
+def test_ranks_agree_on_the_slowest_first_call():
+    """Collectives must make the same calls on every rank: the decision uses the agreed time."""
+    _, number, _, _ = run(0.1, agree=lambda seconds: 0.9)
+    assert number == 1
