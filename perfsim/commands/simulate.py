@@ -29,7 +29,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from perfsim.cli import build_case
-    from perfsim.schedule.simulator import simulate
+    from perfsim.schedule.simulator import ZERO_BUBBLE_ONE_CHUNK, simulate
 
     from perfsim.files import check_output
 
@@ -39,7 +39,7 @@ def run(args) -> None:
     schedule = None
     if args.schedule == ZERO_BUBBLE:
         if args.vpp is not None and args.vpp > 1:  # before the plan is built: the flags contradict each other
-            raise PerfsimError("zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved")
+            raise PerfsimError(ZERO_BUBBLE_ONE_CHUNK)
         schedule, args.schedule = ZERO_BUBBLE, None
     model, system, plan = build_case(args)
     sim = simulate(model, system, plan, dtype=args.dtype, schedule=schedule)

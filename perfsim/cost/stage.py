@@ -65,12 +65,13 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     layout = tpc.layout_of(model, c)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
-    layer = work(dev, peak_flops, tpc.layer_gemms(layout, model, b),
-                 layer_memory_ops(model, b, layout.split, layout.region_split), c.flash)
+    gemms = tpc.layer_gemms(layout, model, b)
+    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split), c.flash)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
-        overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, model, b, tp_time)
+        overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
+                                                             BF16 * b * model.seq * model.hidden, tp_time)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
@@ -115,16 +116,16 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     return StageCosts(first, middle, last, params_first, params_last)
 
 
-def overlapped_tp_times(device, peak_flops: float, layout, model: ModelSpec, b, tp_time) -> tuple:
+def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time) -> tuple:
     """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
     (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
     column-parallel GEMM it feeds (QKV, FC1), each reduce-scatter with the row-parallel GEMM it
     leaves (projection, FC2), and likewise backward beside those GEMMs' two backward products;
-    what a GEMM cannot hide, and always one chunk, stays exposed (docs/equations.md 4.2)."""
-    activation = BF16 * b * model.seq * model.hidden
-    gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation)])
-    scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation)])
-    gemms = {g.name: gemm_time(device, peak_flops, g) for g in tpc.layer_gemms(layout, model, b)}
+    what a GEMM cannot hide, and always one chunk, stays exposed (docs/equations.md 4.2). `gemms`:
+    the layer's GEMMs (tensor_parallel.layer_gemms); `activation_bytes`: the [b, s, h] tensor."""
+    gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation_bytes)])
+    scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
+    gemms = {g.name: gemm_time(device, peak_flops, g) for g in gemms}
     pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
     t = layout.size
     forward = sum(overlapped_exposure(comm, gemms[name], t) for comm, name in pairs)

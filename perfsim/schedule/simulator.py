@@ -42,6 +42,7 @@ from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
 POSITIONS = ("first", "middle", "last")
+ZERO_BUBBLE_ONE_CHUNK = "zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved"
 # Kinds of time (the breakdown keys, less pp_bubble) and the timeline rows they are drawn on.
 COMPUTE, RECOMPUTE, TP, PP, DP, OPTIMIZER, OTHER = "compute", "recompute", "tp_comm", "pp_comm", "dp_comm", \
     "optimizer", "other"
@@ -679,7 +680,7 @@ def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = No
         raise PerfsimError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if schedule == "zb-h1":
         if plan.vpp > 1 or plan.schedule == "interleaved":
-            raise PerfsimError("zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved")
+            raise PerfsimError(ZERO_BUBBLE_ONE_CHUNK)
         plan = plan.replace(schedule="1f1b")
     elif schedule is not None:
         plan = plan.replace(schedule=schedule)
