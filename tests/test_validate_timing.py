@@ -340,12 +340,19 @@ def test_validate_against_a_profile_this_machine_does_not_match(run_cli, tmp_pat
     assert f"WARNING: this machine runs GEMMs {slower:.1f}x slower" in as_json.err
 
 
-@pytest.mark.parametrize("field, value", [("attention", "flash"), ("dp_overlap", True), ("tp_overlap", True)])
+@pytest.mark.parametrize("field, value", [("dp_overlap", True), ("tp_overlap", True)])
 def test_knobs_the_harness_does_not_run_are_refused_before_anything_runs(run_cli, tmp_path, field, value):
-    """The harness runs Megatron's unfused attention and issues collectives between computations:
-    a plan asking for something else would compare a measurement of one thing with a prediction
-    of another."""
+    """The harness issues collectives between computations: a plan asking for overlap would
+    compare a measurement of one thing with a prediction of another."""
     plan = f"tp=2,sp=true,{field}={str(value).lower()}"
     r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--plans", plan, "--ledger", str(tmp_path / "l.jsonl"))
     assert r.code == 2 and r.err.startswith("perfsim: error:") and r.err.count("\n") == 1
     assert "harness" in r.err and field.split("_")[0] in r.err
+
+
+def test_both_attention_kernels_are_run_by_the_harness():
+    """Flash plans run torch's scaled_dot_product_attention (validate.gpt.fused_attention_core;
+    tests/test_validate_attention.py checks it against the unfused core)."""
+    for attention in ("unfused", "flash"):
+        assert timing.harness_problems(Plan(tp=2, attention=attention)) == []
+    assert timing.harness_problems(Plan(tp=2, sp=True, attention="flash", tp_overlap=True)) != []

@@ -13,9 +13,11 @@ The model is written once, for one process; `parallelize` shards it in place:
 | loss | validate.loss (Megatron's vocabulary-parallel cross-entropy): max, sum of exponentials and target logit all-reduced | same |
 
 QKV is one fused linear whose output columns are laid out head by head ([heads, 3, head_dim]),
-so a column shard holds whole heads (q, k and v of heads/P heads). The attention core is written
-with explicit batched products (baddbmm for QK^T, bmm for AV) so that FLOP counting sees exactly
-those two products.
+so a column shard holds whole heads (q, k and v of heads/P heads). The attention core
+(`attention`, perfsim's plan field) is "unfused", written with explicit batched products (baddbmm
+for QK^T, bmm for AV) so that FLOP counting sees exactly those two products, or "flash", torch's
+fused scaled_dot_product_attention (no s x s tensor kept; validate.instrument counts its FLOPs
+as perfsim does).
 The head is untied from the embedding (`tied_embeddings=False` in the perfsim spec). No dropout.
 
 Recompute (torch.utils.checkpoint, non-reentrant): "selective" checkpoints the attention core
@@ -89,15 +91,16 @@ class GPTConfig:
     seq: int
     vocab: int  # already padded (perfsim's ModelSpec.padded_vocab(tp))
     recompute: str = "none"
+    attention: str = "unfused"  # perfsim's plan.attention: "unfused" (Megatron's kernels) or "flash" (SDPA)
 
     @classmethod
-    def from_spec(cls, model, tp: int = 1, recompute: str = "none") -> "GPTConfig":
+    def from_spec(cls, model, tp: int = 1, recompute: str = "none", attention: str = "unfused") -> "GPTConfig":
         """From a perfsim ModelSpec: the vocabulary padded as Megatron pads it for `tp` ranks."""
         if model.gated_mlp or model.norm != "layernorm" or not model.bias or model.kv_head_count != model.heads:
             raise ValueError("validate.gpt builds GPT layers only: LayerNorm, biases, GeLU MLP, multi-head attention")
         if model.ffn_size != 4 * model.hidden:
             raise ValueError("validate.gpt uses ffn = 4 x hidden")
-        return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute)
+        return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute, attention)
 
 
 _causal_bias = {}
@@ -126,11 +129,24 @@ def attention_core(q, k, v):
     return torch.bmm(probs, v.reshape(rows, s, d)).view(b, heads, s, d)
 
 
+def fused_attention_core(q, k, v):
+    """The same causal attention as one fused kernel, torch's scaled_dot_product_attention (perfsim's
+    attention = "flash"): on CPU torch's flash kernel, on GPUs flash, cuDNN or memory-efficient
+    attention. It keeps Q, K, V, its output and one fp32 log-sum-exp per query row and head for
+    backward, no s x s tensor; its output is laid out [b, s, heads, d] in memory, so the
+    projection's input is a view of it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTION_CORES = {"unfused": attention_core, "flash": fused_attention_core}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.hidden // cfg.heads
         self.selective = cfg.recompute == "selective"
+        self.core = ATTENTION_CORES[cfg.attention]
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
@@ -140,9 +156,9 @@ class Attention(nn.Module):
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.selective:
-            context = _checkpointed(attention_core, q, k, v)
+            context = _checkpointed(self.core, q, k, v)
         else:
-            context = attention_core(q, k, v)
+            context = self.core(q, k, v)
         return self.proj(context.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
@@ -179,6 +195,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         if cfg.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {cfg.recompute!r}")
+        if cfg.attention not in ATTENTION_CORES:
+            raise ValueError(f"attention must be one of {tuple(ATTENTION_CORES)}, got {cfg.attention!r}")
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)

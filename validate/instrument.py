@@ -11,7 +11,8 @@ so one counter serves DTensor layers and hand-written autograd Functions alike.
 Each record is (kind, elements of the full tensor, bytes per element, group size): the full
 tensor is what perfsim's Collective.nbytes means (the gathered size for all-gather and
 reduce-scatter). FLOPs come from torch.utils.flop_counter.FlopCounterMode, which counts matrix
-products (mm, addmm, bmm, baddbmm, matmul's decompositions, convolutions, SDPA); it does not see
+products (mm, addmm, bmm, baddbmm, matmul's decompositions, convolutions), and fused attention
+kernels at perfsim's count (`fused_attention_flops`); it does not see
 element-wise work (LayerNorm, GeLU, softmax, bias adds, the loss), embedding lookups or
 collectives, which perfsim does not count as FLOPs either.
 
@@ -153,18 +154,46 @@ class CollectiveCounter(TorchDispatchMode):
         return dict(out)
 
 
+FUSED_ATTENTION_PRODUCTS = {"forward": 2, "backward": 5}
+
+
+def fused_attention_pass(func) -> str | None:
+    """"forward" or "backward" for a fused attention kernel of scaled_dot_product_attention (the
+    flash, memory-efficient, cuDNN, CPU-flash and XPU "overrideable" ops and their backwards),
+    None for any other op (the math fallback decomposes into bmm, which is counted as it runs)."""
+    name = func._schema.name.split("::")[-1]
+    if func.namespace != "aten" or not name.startswith("_scaled_dot_product_") or "math" in name:
+        return None
+    return "backward" if name.endswith("_backward") else "forward"
+
+
+def fused_attention_flops(func, args) -> int:
+    """Matrix FLOPs of one fused attention kernel as perfsim counts them (docs/equations.md 2.1,
+    3.9): the full s_q x s_k square of every head, no causal halving; forward two products (scores
+    and context), backward five (the scores recomputed, then dP, dV, dQ, dK), each 2 b a s_q s_k d.
+    The kernel's work is not visible from outside, so this is the model's count, not a measurement;
+    FlopCounterMode's own formulas count four backward products, leaving out the recomputation."""
+    passed = fused_attention_pass(func)
+    q, k = (args[1], args[2]) if passed == "backward" else (args[0], args[1])  # backward: grad_out first
+    b, heads, s_q, d = q.shape
+    return FUSED_ATTENTION_PRODUCTS[passed] * 2 * b * heads * s_q * k.shape[-2] * d
+
+
 class LocalFlopCounter(TorchDispatchMode):
     """FlopCounterMode's formulas applied to the ops a rank really runs.
 
     FlopCounterMode itself sees a DTensor op before DTensor unwraps it, so it prices the global
     shapes; this mode declines tensor subclasses (NotImplemented) and counts the local ops that
-    the subclass then dispatches."""
+    the subclass then dispatches. Fused attention kernels are counted by `fused_attention_flops`
+    (perfsim's convention) instead of FlopCounterMode's formulas, which have none for the CPU
+    kernel and no recomputation in the backward."""
 
     def __init__(self):
         super().__init__()
         from torch.utils.flop_counter import FlopCounterMode
 
         self.counter = FlopCounterMode(display=False)
+        self.fused_attention = defaultdict(int)  # "forward" / "backward": FLOPs by perfsim's count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -173,15 +202,20 @@ class LocalFlopCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not _real(types):
             return out
-        if func._overloadpacket in self.counter.flop_registry:
+        passed = fused_attention_pass(func)
+        if passed:
+            self.fused_attention[passed] += fused_attention_flops(func, args)
+        elif func._overloadpacket in self.counter.flop_registry:
             self.counter._count_flops(func._overloadpacket, out, args, kwargs)
         return out
 
     def total(self) -> int:
-        return self.counter.get_total_flops()
+        return self.counter.get_total_flops() + sum(self.fused_attention.values())
 
     def by_op(self) -> dict:
-        return {str(k): v for k, v in self.counter.get_flop_counts()["Global"].items()}
+        ops = {str(k): v for k, v in self.counter.get_flop_counts()["Global"].items()}
+        ops.update({f"fused_attention_{k}": v for k, v in self.fused_attention.items()})
+        return ops
 
 
 def _storage_of(t):

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from validate.gpt import GPT, RECOMPUTE, GPTConfig, attention_core
+from validate.gpt import ATTENTION_CORES, GPT, RECOMPUTE, GPTConfig
 from validate.loss import cross_entropy
 
 MODES = ("2d", "2.5d", "3d")
@@ -447,10 +447,11 @@ class Block(nn.Module):
         t, width = qkv.shape
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(t // s, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        core = ATTENTION_CORES[self.cfg.attention]
         if self.cfg.recompute == "selective":
-            context = _checkpointed(attention_core, q, k, v)
+            context = _checkpointed(core, q, k, v)
         else:
-            context = attention_core(q, k, v)
+            context = core(q, k, v)
         return self.proj(context.transpose(1, 2).reshape(t, heads * self.head_dim))
 
     def _forward(self, x):
@@ -652,7 +653,7 @@ def build_step(plan, model, device, dtype) -> TrainingStep:
         raise ValueError("; ".join(reasons))
     if dist.get_world_size() != plan.devices:
         raise ValueError(f"world size {dist.get_world_size()} is not the plan's {plan.devices} devices")
-    cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute)
+    cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention)
     grid = grid_for(plan, model, dist.get_rank())
     torch.manual_seed(0)
     reference = GPT(cfg)  # every rank builds the same full model and keeps its shards

@@ -44,7 +44,7 @@ class TensorParallelStep:
 
         if plan.pp != 1 or plan.dp != 1 or plan.tp_mode != "1d":
             raise ValueError("TensorParallelStep runs 1d tensor parallelism only (pp = dp = 1)")
-        cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute)
+        cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention)
         if plan.tp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("a plan on one device needs --nproc 1")
         # Built without storage and sharded first, so a rank never holds the whole model
@@ -119,7 +119,7 @@ def seeded_gpt(plan, model, axis: str, where: str, kind: str):
     if plan.sp:
         raise ValueError(f"sequence parallelism needs tp > 1; {where} runs tp = 1")
     torch.manual_seed(0)
-    return GPT(GPTConfig.from_spec(model, 1, plan.recompute))
+    return GPT(GPTConfig.from_spec(model, 1, plan.recompute, plan.attention))
 
 
 def build_step(plan, model, device, dtype):

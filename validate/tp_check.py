@@ -111,10 +111,10 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
     b, t, tokens = plan.mbs, plan.tp, plan.mbs * model.seq
-    layer = float(layout_activation_bytes(model, layout, b, c.recompute))
+    layer = float(layout_activation_bytes(model, layout, b, c.recompute, c.flash))
     # any profile: activation bytes do not depend on the machine
     activations = float(memory_breakdown(model, load_system("cpu-example"), c, last_stage=True)["activations"])
-    working = float(layout_activation_bytes(model, layout, b, 0)) if plan.recompute == "full" else 0.0
+    working = float(layout_activation_bytes(model, layout, b, 0, c.flash)) if plan.recompute == "full" else 0.0
     edge = activations - model.layers * layer - working
     gathered = 2 * BF16 * tokens * model.hidden * (1 - 1 / t) if plan.sp and plan.recompute != "full" else 0.0
     return {"layer": layer, "layers": model.layers * layer, "edge": edge, "working_set": working,
@@ -129,11 +129,14 @@ PRICE_LOSS = FP32  # the cross-entropy's log-probabilities: fp32 in perfsim (and
 PRICE_MASK = 1  # bool, as perfsim prices dropout masks
 
 
-def price_saved(items) -> dict:
+def price_saved(items, fp32_shapes=()) -> dict:
     """Bytes by region and kind at perfsim's prices. Kinds: "activation" (floating, modelled by
     perfsim), "norm_stats" (LayerNorm mean and 1/std, [..., 1]), "mask" (bool), "index" (integer:
     token ids, targets; their own size), "scalar" (0-dim, their own size); the last four are
-    not in perfsim's model."""
+    not in perfsim's model. Floating tensors of a shape in `fp32_shapes` are activations priced
+    at 4 bytes: a fused attention's log-sum-exp ([b, heads, s]), fp32 in every dtype, as perfsim
+    prices it."""
+    fp32_shapes = [list(x) for x in fp32_shapes]
     by_region, by_kind = {}, {}
     for it in items:
         dtype, shape, n = it["dtype"], it["shape"], it["storage_elements"]
@@ -146,7 +149,8 @@ def price_saved(items) -> dict:
         elif shape[-1] == 1:
             kind, price = "norm_stats", PRICE_ACTIVATION
         else:
-            kind, price = "activation", PRICE_LOSS if it["region"] == "loss" else PRICE_ACTIVATION
+            fp32 = it["region"] == "loss" or shape in fp32_shapes
+            kind, price = "activation", PRICE_LOSS if fp32 else PRICE_ACTIVATION
         region = by_region.setdefault(it["region"], {})
         region[kind] = region.get(kind, 0.0) + n * price
         by_kind[kind] = by_kind.get(kind, 0.0) + n * price
