@@ -15,6 +15,7 @@ from perfsim import calibrate as cal
 from perfsim.cost.layer import (Gemm, MemoryOp, gemm_time, head_memory_ops, layer_memory_ops, measured_memory_op,
                                 memory_time)
 from perfsim.cost.topology import TopologyCommModel
+from perfsim.errors import PerfsimError
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system
@@ -227,7 +228,7 @@ def test_cpu_time_of_compute_points_is_fitted_unless_wall_is_asked():
     auto = cal.fit(records, base, "shared.jsonl").values["device.gemm_efficiency"].value
     wall = cal.fit(records, base, "shared.jsonl", clock="wall").values["device.gemm_efficiency"].value
     assert auto == pytest.approx(0.6, rel=0.05) and wall == pytest.approx(0.3, rel=0.05)
-    with pytest.raises(cal.PerfsimError, match="statistic must be"):
+    with pytest.raises(PerfsimError, match="statistic must be"):
         cal.fit(records, base, "x", statistic="max")
 
 
@@ -392,11 +393,11 @@ def test_model_free_check_is_exact_on_a_power_law_and_sees_scatter():
     rows = [{"op": "all_reduce", "dtype": "fp32", "group": [2, 1], "nbytes": 1 << e, "_t": 1e-6 * (1 << e) ** 0.7}
             for e in range(10, 28)]
     fit, held = rows[::2], rows[1::2]
-    q = cal._neighbour_check(fit, held[:-1])  # the last held point lies beyond the fitted ones: an edge
+    q = cal.collectives._neighbour_check(fit, held[:-1])  # the last held point lies beyond the fitted ones: an edge
     assert q.held_mape == pytest.approx(0.0, abs=1e-12) and q.held_points == len(held) - 1
     assert q.fit_mape > 0  # the fitted points' own check leaves each out: the two ends are edges
     bumpy = [{**r, "_t": r["_t"] * (1.3 if i % 2 else 1.0)} for i, r in enumerate(rows)]
-    assert cal._neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)
+    assert cal.collectives._neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)
 
 
 def test_fit_command_takes_a_name_and_description(run_cli, tmp_path):
@@ -538,11 +539,11 @@ def test_tp_overhead_points_give_the_median_of_every_rounds_difference():
     records = [_overhead_record("1d", 64, [0.004, 0.006, 0.020]), _overhead_record("1d", 128, [0.008, -0.01]),
                _overhead_record("1d_sp", 64, [-0.003, -0.001, 0.002])]
     assert all(cal._record_problem(r) is None for r in records)
-    values, notes = cal._tp_overhead_fit(records, "l.jsonl")
+    values, notes = cal.overheads.fit_tp_overhead(records, "l.jsonl")
     assert values["framework.tp_layer_overhead_s"].value == pytest.approx(0.006)  # median of 5 rounds
     assert values["framework.sp_layer_overhead_s"].value == 0.0
     assert "64 / 128 tokens" in values["framework.tp_layer_overhead_s"].source and len(notes) == 2
-    assert cal._tp_overhead_fit([r for r in records if r["op"] == "1d"], "l")[0].keys() == {"framework.tp_layer_overhead_s"}
+    assert cal.overheads.fit_tp_overhead([r for r in records if r["op"] == "1d"], "l")[0].keys() == {"framework.tp_layer_overhead_s"}
     broken = dict(records[0], overhead_s=[])
     assert "overhead_s" in cal._record_problem(broken)
 

@@ -1,0 +1,115 @@
+"""GEMMs: the efficiency model on the first measured dtype and a peak per other dtype; the attention check."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from perfsim.errors import PerfsimError
+from perfsim.calibrate.common import (Fitted, PRIMARY_DTYPE, Quality, TARGETS, least_squares, mape,
+                                      measured_times, split_held_out, with_fields)
+
+
+def _gemms(records):
+    from perfsim.cost.layer import Gemm
+
+    s = [r["shape"] for r in records]
+    col = lambda k, default=None: np.array([x.get(k, default) for x in s], float)  # noqa: E731
+    return Gemm("measured", col("count", 1), col("m"), col("n"), col("k"))
+
+
+def fit_gemms(records, system, kind, ledger):
+    from perfsim.cost.layer import gemm_time
+    from perfsim.predict import peak_flops
+
+    values, quality, notes = {}, [], []
+    dtypes = [d for d in PRIMARY_DTYPE.get(kind, PRIMARY_DTYPE["cuda"])
+              if any(r["suite"] == "gemm" and r["dtype"] == d for r in records)]
+    if not dtypes:
+        return values, quality, notes, system
+    dev = system.device
+    primary = dtypes[0]
+    fit, held = split_held_out([r for r in records if r["dtype"] == primary], "gemm")
+    if len(fit) < 3:
+        notes.append(f"only {len(fit)} {primary} GEMM points to fit: GEMM model left as in the base profile")
+        return values, quality, notes, system
+    peak = peak_flops(system, primary)
+    g_fit, t_fit = _gemms(fit), measured_times(fit)
+
+    def predict(x, g, peak_value):
+        d = dataclasses.replace(dev, gemm_efficiency=math.exp(x[0]), gemm_half_dim=math.exp(x[1]))
+        return gemm_time(d, peak_value, g)
+
+    x0 = [math.log(dev.gemm_efficiency), math.log(max(dev.gemm_half_dim, 1.0))]
+    x = least_squares(lambda x: np.log(predict(x, g_fit, peak) / t_fit), x0,
+                       ([math.log(1e-4), 0.0], [math.log(10.0), math.log(1e6)]))  # half_dim >= 1 element
+    eff, half = math.exp(x[0]), math.exp(x[1])
+    quality.append(Quality(f"gemm {primary}", mape(predict(x, g_fit, peak), t_fit), len(fit),
+                           mape(predict(x, _gemms(held), peak), measured_times(held)) if held else float("nan"), len(held),
+                           TARGETS["gemm"]))
+    where = f"{len(fit)} {primary} GEMM shapes of ledger {ledger} (least squares on log time through perfsim.cost.layer.gemm_time)"
+    peaks = {}
+    if eff > 1.0:
+        notes.append(f"{primary} GEMMs reached {eff:.2f} x peak_flops_{primary}: the base peak is too low; "
+                     f"peak raised by that factor, gemm_efficiency 1")
+        peaks[primary] = peak * eff
+        peaks_source = f"raised to what {primary} GEMMs reached ({eff:.3f} x the base profile's {peak:.4g}), {where}"
+        values[f"device.peak_flops_{primary}"] = Fitted(peak * eff, peaks_source)
+        eff = 1.0
+    values["device.gemm_efficiency"] = Fitted(eff, f"fitted with gemm_half_dim on {where}")
+    values["device.gemm_half_dim"] = Fitted(half, f"fitted with gemm_efficiency on {where}")
+    system = with_fields(system, device={"gemm_efficiency": eff, "gemm_half_dim": half,
+                                      **{f"peak_flops_{d}": v for d, v in peaks.items()}})
+    dev = system.device
+    for dtype in dtypes[1:]:
+        fit_d, held_d = split_held_out([r for r in records if r["dtype"] == dtype], "gemm")
+        if len(fit_d) < 2:
+            continue
+        base_peak = peak_flops(system, dtype)
+        g_d, t_d = _gemms(fit_d), measured_times(fit_d)
+        y = least_squares(lambda y: np.log(gemm_time(dev, base_peak * math.exp(y[0]), g_d) / t_d), [0.0],
+                           ([math.log(1e-3)], [math.log(1e3)]))
+        new_peak = base_peak * math.exp(y[0])
+        quality.append(Quality(f"gemm {dtype}", mape(gemm_time(dev, new_peak, g_d), t_d), len(fit_d),
+                               mape(gemm_time(dev, new_peak, _gemms(held_d)), measured_times(held_d)) if held_d else float("nan"),
+                               len(held_d), TARGETS["gemm"],
+                               note=f"peak rescaled x{new_peak / base_peak:.2f}, efficiency model of {primary}"))
+        values[f"device.peak_flops_{dtype}"] = Fitted(
+            new_peak, f"the {dtype} peak that, with the {primary} efficiency model (gemm_efficiency {eff:.3g}, "
+                      f"gemm_half_dim {half:.3g}), predicts {len(fit_d)} {dtype} GEMM shapes of ledger {ledger} "
+                      f"(base profile: {base_peak:.4g}); one efficiency model per profile, so the dtype's speed is in its peak")
+        system = with_fields(system, device={f"peak_flops_{dtype}": new_peak})
+        dev = system.device
+    return values, quality, notes, system
+
+
+
+def check_attention(records, system):
+    """Attention measured against perfsim's attention core (scores and context GEMMs, softmax);
+    not fitted, a check of the calibrated profile."""
+    from perfsim.cost.layer import Gemm, MemoryOp, gemm_time, memory_time
+    from perfsim.predict import peak_flops
+
+    quality = []
+    for op in ("unfused", "sdpa"):
+        rows = [r for r in records if r["suite"] == "attention" and r["op"] == op and "error" not in r]
+        if not rows:
+            continue
+        predicted = []
+        for r in rows:
+            s = r["shape"]
+            bh, seq, d = s["batch"] * s["heads"], s["seq"], s["head_dim"]
+            try:
+                peak = peak_flops(system, r["dtype"])
+            except PerfsimError:
+                continue
+            e = {"fp32": 4, "bf16": 2, "fp16": 2}[r["dtype"]]
+            t = (gemm_time(system.device, peak, Gemm("scores", bh, seq, seq, d))
+                 + gemm_time(system.device, peak, Gemm("context", bh, seq, d, seq))
+                 + memory_time(system.device, MemoryOp("softmax", 2 * e * bh * seq * seq, "softmax")))
+            predicted.append(float(t))
+        quality.append(Quality(f"attention {op} (check, not fitted)", mape(predicted, measured_times(rows)), len(rows),
+                               float("nan"), 0))
+    return quality
