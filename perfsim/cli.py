@@ -72,7 +72,8 @@ def _add_case_flags(p: argparse.ArgumentParser, model_default: str = "gpt3-175b"
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=_positive)
     where.add_argument("--devices", type=_positive)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="training precision (default bf16)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="training precision (default bf16; fp8: the layers' GEMMs in FP8, docs/equations.md 3.11)")
 
 
 def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in case's plan if no model, system or "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost import counts
-from perfsim.cost.columns import FULL, SELECTIVE, Columns, columns_of
+from perfsim.cost.columns import FULL, SELECTIVE, Columns, at_dtype, columns_of
 from perfsim.cost.memory import peak_memory
 from perfsim.cost.stage import stage_costs
 from perfsim.errors import PerfsimError
@@ -16,7 +16,7 @@ from perfsim.spec.model import ModelSpec, load_model
 from perfsim.spec.plan import Plan, plan_problems
 from perfsim.spec.system import System, load_system
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,16 @@ class Prediction:
 
 
 def peak_flops(system: System, dtype: str) -> float:
+    """The peak GEMMs of `dtype` run at and MFU and HFU are measured against. An fp8 step runs its
+    layers' GEMMs at device.peak_flops_fp8 (perfsim.cost.layer.gemm_rate) and the rest, attention
+    and logits, in bf16: it is measured against the bf16 peak (docs/equations.md 3.11)."""
     if dtype not in DTYPES:
         raise PerfsimError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "fp8":
+        if system.device.peak_flops_fp8 is None:
+            raise PerfsimError(f"system {system.name} has no FP8 peak (device.peak_flops_fp8): its device cannot "
+                               f"train in FP8; use --dtype bf16, or a profile that states one (dgx-h100, dgx-b200)")
+        return system.device.peak_flops_bf16
     return getattr(system.device, f"peak_flops_{dtype}")
 
 
@@ -73,6 +81,7 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
     """Every number of a prediction for the plans in `c` (numbers or numpy arrays): the one
     computation behind both `predict` and the search. Plans must be valid."""
     peak = peak_flops(system, dtype)
+    c = at_dtype(c, dtype)
     step, breakdown = step_time(model, system, c, stage_costs(model, system, c, peak))
     memory = peak_memory(model, system, c)
     recompute = np.where(c.recompute == FULL, counts.recompute_flops_per_sample(model, "full"),

@@ -22,7 +22,8 @@ def register(sub) -> None:
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--weak", action="store_true", help="global batch grows with data parallelism")
     how.add_argument("--strong", action="store_true", help="global batch fixed")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="training precision (default bf16; fp8 on a profile with an FP8 peak)")
     _add_plan_flags(p)
     p.add_argument("--json", action="store_true", help='one JSON object {"points": [...]}')
     p.set_defaults(run=run, devices=None)

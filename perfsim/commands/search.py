@@ -26,7 +26,8 @@ def register(sub) -> None:
                    help="order of the results; for a fixed device count the first three agree (default throughput)")
     p.add_argument("--tokens", type=finite_number(0, 1e18), default=300e9,
                    help="training tokens for the time-to-train and device-hours columns, up to 1e18 (default 300e9)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="training precision (default bf16; fp8 on a profile with an FP8 peak)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
     out.add_argument("--csv", action="store_true", help="the top plans as CSV")

@@ -7,7 +7,7 @@ Strings that change the formulas themselves (tp_mode, order) are fixed per batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -36,6 +36,7 @@ class Columns:
     flash: object = 0  # 1: the attention core as one fused kernel (plan.attention == "flash")
     dp_overlap: object = 0  # 1: data-parallel reductions and gathers overlap compute, bucket by bucket
     tp_overlap: object = 0  # 1: 1d + SP collectives pipelined with their GEMMs, in chunks
+    fp8: int = 0  # 1: the layers' GEMMs in FP8 (--dtype fp8, a command's choice, not a plan field: at_dtype)
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
@@ -47,6 +48,11 @@ class Columns:
     @cached_property
     def strides(self) -> dict:
         return group_strides(self.order, {"tp": self.tp, "dp": self.dp, "pp": self.pp})
+
+
+def at_dtype(c: Columns, dtype: str) -> Columns:
+    """`c` trained in `dtype` (only fp8 changes the cost formulas; docs/equations.md 3.11)."""
+    return replace(c, fp8=int(dtype == "fp8"))
 
 
 def columns_of(plan: Plan) -> Columns:

@@ -28,6 +28,13 @@ def layer_params(model: ModelSpec) -> dict:
     }
 
 
+def linear_weight_params(model: ModelSpec) -> int:
+    """Elements of one layer's four weight matrices (QKV, projection, FC1, FC2; no biases): what
+    FP8 training casts and keeps FP8 copies of (perfsim.cost.fp8)."""
+    h, f, kv = model.hidden, model.ffn_size, model.kv_hidden
+    return h * (h + 2 * kv) + h * h + h * (2 * f if model.gated_mlp else f) + f * h
+
+
 def embedding_params(model: ModelSpec, vocab: int) -> dict:
     return {
         "word": vocab * model.hidden,

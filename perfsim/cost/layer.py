@@ -20,7 +20,7 @@ MEMORY_BACKWARD x its forward time, as before the table existed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -179,15 +179,42 @@ def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tu
             FLASH_BACKWARD * executed / (peak_flops * backward_eff) + device.kernel_overhead_s)
 
 
-def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash=0) -> Work:
+# FP8 training (--dtype fp8, Transformer Engine's recipe; docs/equations.md 3.11): a layer's weight
+# GEMMs run on FP8 copies of their operands. Each cast reads the bf16 tensor and writes its FP8
+# copy and the copy's transpose (Hopper's FP8 GEMMs take one layout only, so the backward's
+# products need the transposes): BF16 + 2 x FP8 bytes per element.
+FP8 = 1
+FP8_CAST_BYTES = BF16 + 2 * FP8
+
+
+def gemm_rate(device: Device, peak_flops: float, g: Gemm, fp8=0) -> tuple:
+    """(device, peak) a GEMM is timed with: a weight GEMM in FP8 (fp8 = 1) at the FP8 peak, its
+    efficiency model's best case fp8_gemm_efficiency where the profile gives one (else the bf16
+    GEMM's); the attention core, and every GEMM in other dtypes, as given."""
+    if not fp8 or g.name in ATTENTION_CORE:
+        return device, peak_flops
+    best = device.fp8_gemm_efficiency or device.gemm_efficiency
+    return replace(device, gemm_efficiency=best), device.peak_flops_fp8
+
+
+def fp8_cast_times(device: Device, gemms: list) -> tuple:
+    """(forward, backward) seconds of the FP8 casts around `gemms`' weight GEMMs: forward each
+    one's input [m, k], backward its output gradient [m, n]; one streaming kernel each."""
+    weight_gemms = [g for g in gemms if g.name not in ATTENTION_CORE]
+    cast = lambda elements: _streaming_time(device, FP8_CAST_BYTES * elements, device.memory_efficiency)  # noqa: E731
+    return (sum(cast(g.count * g.m * g.k) for g in weight_gemms), sum(cast(g.count * g.m * g.n) for g in weight_gemms))
+
+
+def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash=0, fp8=0) -> Work:
     """Forward time and FLOPs of a list of ops; the attention core is also summed on its own.
     `flash` (0 or 1, or an array of them): the attention core runs as one fused kernel in place
     of its two GEMMs, softmax and dropout (their FLOPs still count: the convention counts the
-    products, not how they are run)."""
+    products, not how they are run). `fp8` (0 or 1): the weight GEMMs run in FP8, with their
+    casts (gemm_rate, fp8_cast_times)."""
     total = Work()
     unfused = 1 - flash
     for g in gemms:
-        flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(device, peak_flops, g)
+        flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(*gemm_rate(device, peak_flops, g, fp8), g)
         total.flops = total.flops + flops
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
             time = unfused * time
@@ -201,6 +228,9 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
             total.time_s = total.time_s + flash * forward
             total.core_time_s = total.core_time_s + flash * forward
             total.backward_s = total.backward_s + flash * backward
+    if fp8:
+        forward, backward = fp8_cast_times(device, gemms)
+        total.time_s, total.backward_s = total.time_s + forward, total.backward_s + backward
     for op in memory_ops:
         time, backward = memory_times(device, op)
         if op.name in CORE_MEMORY_OPS:  # inside the fused kernel, in on-chip memory

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perfsim.cost import counts
+from perfsim.cost import counts, fp8
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns
 from perfsim.cost.layer import BF16, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
@@ -126,6 +126,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     weights = BF16 * params / np.where(c.zero >= 3, dp, 1)
     # FSDP2's ZeRO-2 keeps the shard, the module's parameter, beside the copy gathered for the step
     weights = weights + np.where(fsdp2 & (c.zero == 2), BF16 * params / dp, 0)
+    weights = weights + fp8.weight_copy_bytes(model, c, model.layers / p)  # FP8 copies and scaling state
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 

@@ -17,8 +17,8 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, SELECTIVE, Columns
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
-from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_time, head_memory_ops,
-                                layer_memory_ops, work)
+from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_rate, gemm_time,
+                                head_memory_ops, layer_memory_ops, work)
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
@@ -66,12 +66,13 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
     gemms = tpc.layer_gemms(layout, model, b)
-    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split), c.flash)
+    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split), c.flash,
+                 c.fp8)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
         overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
-                                                             BF16 * b * model.seq * model.hidden, tp_time)
+                                                             BF16 * b * model.seq * model.hidden, tp_time, c.fp8)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
@@ -116,7 +117,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     return StageCosts(first, middle, last, params_first, params_last)
 
 
-def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time) -> tuple:
+def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0) -> tuple:
     """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
     (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
     column-parallel GEMM it feeds (QKV, FC1), each reduce-scatter with the row-parallel GEMM it
@@ -125,7 +126,7 @@ def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activati
     the layer's GEMMs (tensor_parallel.layer_gemms); `activation_bytes`: the [b, s, h] tensor."""
     gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation_bytes)])
     scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
-    gemms = {g.name: gemm_time(device, peak_flops, g) for g in gemms}
+    gemms = {g.name: gemm_time(*gemm_rate(device, peak_flops, g, fp8), g) for g in gemms}  # fp8: layer.gemm_rate
     pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
     t = layout.size
     forward = sum(overlapped_exposure(comm, gemms[name], t) for comm, name in pairs)

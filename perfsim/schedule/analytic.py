@@ -19,6 +19,7 @@ import numpy as np
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
+from perfsim.cost.fp8 import weight_cast_time
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
@@ -63,7 +64,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
     breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)
 
-    breakdown["optimizer"] = optimizer_time(system, c, params)
+    # the optimizer step, and in FP8 the cast of the updated weights it is followed by
+    breakdown["optimizer"] = optimizer_time(system, c, params) + weight_cast_time(model, system, c, model.layers / p)
     breakdown["other"] = system.framework.step_overhead_s + 0.0 * pipeline
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from perfsim.cost.columns import Columns, columns_of
+from perfsim.cost.columns import Columns, at_dtype, columns_of
 from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
                                         tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
+from perfsim.cost.fp8 import weight_cast_time
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
@@ -138,7 +139,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         dp=dp, zero=zero, dp_overlap=o, recompute_full=int(c.recompute) == 2,
         overhead_s=float(system.framework.step_overhead_s),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
-        optimizer=per(lambda k: optimizer_time(system, c, params[k])),
+        optimizer=per(lambda k: optimizer_time(system, c, params[k]) + weight_cast_time(model, system, c, model.layers / p)),
     )
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731
@@ -691,7 +692,7 @@ def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = No
                            f"{passes:,} forward passes is more than the event simulation takes "
                            f"({MAX_SIMULATED_PASSES:,}, about ten seconds); use the closed form (perfsim predict), "
                            f"or fewer micro-batches (--gbs / (--mbs x dp))")
-    c = columns_of(plan)
+    c = at_dtype(columns_of(plan), dtype)
     peak = peak_flops(system, dtype)
     costs = step_costs(model, system, c, stage_costs(model, system, c, peak), stage_phases(model, system, c, peak),
                        schedule=schedule or plan.schedule)

@@ -47,6 +47,11 @@ class Device:
     # efficiency at the scores GEMM's shape, the backward at the forward's.
     flash_forward_efficiency: float | None = None
     flash_backward_efficiency: float | None = None
+    # Optional FP8 tensor-core peak (dense) and the best-case fraction of it a GEMM reaches
+    # (--dtype fp8, perfsim.cost.layer.gemm_time); no peak: the device cannot train in FP8; no
+    # efficiency: FP8 GEMMs follow the bf16 GEMM efficiency model (docs/equations.md 3.11).
+    peak_flops_fp8: float | None = None
+    fp8_gemm_efficiency: float | None = None
 
     def memory_efficiency_of(self, kind: str, backward: bool = False):
         """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
@@ -172,7 +177,7 @@ _COUNT = ("int", 1, INF, True)
 _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
-                                 "flash_backward_efficiency")}
+                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
@@ -187,7 +192,8 @@ _RULES = {
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
                            "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True)},
-             "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION}}
+             "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
+                        "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
