@@ -127,3 +127,14 @@ def test_predict_json_names_the_dtype(capsys):
                      "--json"]) == 0
     assert '"dtype": "fp8"' in capsys.readouterr().out
 
+
+def test_dgx_b200_states_dense_peaks_and_marks_carried_over_efficiencies_assumed():
+    b200 = load_system("dgx-b200")
+    assert b200.device.peak_flops_bf16 == 2.25e15 and b200.device.peak_flops_fp8 == 2 * 2.25e15  # half the sparse 4.5 / 9 PF
+    assert b200.node.devices_per_node == 8 and b200.node.node_link_bandwidth_Bps == 900e9  # 1.8 TB/s both ways
+    for key in ("gemm_efficiency", "gemm_half_dim", "memory_efficiency", "flash_forward_efficiency",
+                "flash_backward_efficiency", "kernel_overhead_s"):
+        assert getattr(b200.device, key) == getattr(H100.device, key)
+        provenance, source = b200.provenance[f"device.{key}"]
+        assert provenance == "assumed" and "not measured on B200" in source
+    assert predict(MODEL, b200, PLAN, "fp8").step_time_s < predict(MODEL, H100, PLAN, "fp8").step_time_s
