@@ -206,12 +206,16 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.mesh = None
         self.sp = False
+        self.positions = None  # under context parallelism: this rank's token positions (validate.context_parallel)
 
     def forward(self, tokens):
-        x = self.embed(tokens)  # [b, s, h], or [b, s/P, h] with SP
+        x = self.embed(tokens)  # [b, s, h], or [b, s/P, h] with SP, or [b, s/cp, h] with CP
         s = x.shape[1]
-        start = self.mesh.get_local_rank() * s if self.sp else 0
-        x = x + self.pos[start:start + s]
+        if self.positions is not None:
+            x = x + self.pos[self.positions.to(x.device)]
+        else:
+            start = self.mesh.get_local_rank() * s if self.sp else 0
+            x = x + self.pos[start:start + s]
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

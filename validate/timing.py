@@ -84,6 +84,8 @@ def plan_label(plan) -> str:
     parts = []
     if plan.tp > 1:
         parts.append(f"tp{plan.tp} {plan.tp_mode}{'+sp' if plan.sp else ''}")
+    if getattr(plan, "cp", 1) > 1:
+        parts.append(f"cp{plan.cp}")
     if plan.pp > 1:
         parts.append(f"pp{plan.pp} {plan.schedule}{f' v{plan.vpp}' if plan.vpp > 1 else ''}")
     if plan.dp > 1:
@@ -101,7 +103,7 @@ HARNESS_REVISION = 2
 
 # Plan fields added after ledgers were written, with the value every earlier point ran with: a
 # plan at that value keys as before the field existed, so a ledger's points are still found.
-LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False}
+LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1}
 
 
 def harness_problems(plan) -> list:
@@ -109,10 +111,24 @@ def harness_problems(plan) -> list:
     validate/ does not implement yet (its collectives are issued between the computations).
     Both attention kernels run: unfused as Megatron's kernels, flash as torch's
     scaled_dot_product_attention (validate.gpt)."""
-    problems = []
+    problems = context_parallel_problems(plan)
     for knob in ("dp_overlap", "tp_overlap"):
         if getattr(plan, knob):
             problems.append(f"the harness issues its collectives between the computations; leave {knob} off")
+    return problems
+
+
+def context_parallel_problems(plan) -> list:
+    """What of a cp > 1 plan the harness's context-parallel step (validate.context_parallel) does
+    not run; nothing for cp = 1 (and for a Plan from before the cp field)."""
+    if getattr(plan, "cp", 1) == 1:
+        return []
+    problems = []
+    if plan.attention != "flash":
+        problems.append("the harness's context parallelism is ring attention, a fused kernel; give --attention flash")
+    if plan.pp > 1 or plan.tp_mode != "1d" or plan.sp or plan.zero:
+        problems.append("the harness runs context parallelism with 1d tensor parallelism without SP and data "
+                        "parallelism with ZeRO 0, without pipelining")
     return problems
 
 
@@ -190,7 +206,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
     p = predict(model, system, plan, dtype)
     sent = step_sent_bytes(model, system, plan)
     return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
-            "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "pp", "dp")},
+            "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "cp", "pp", "dp") if k in sent},
             "activation_bytes": p.memory_bytes["activations"],
             "peak_memory_bytes": allocated_bytes(p.memory_bytes["total"], system.framework),
             "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}

@@ -110,7 +110,9 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
         raise ValueError("validate.gpt has no dropout: give the model spec dropout=false")
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
-    b, t, tokens = plan.mbs, plan.tp, plan.mbs * model.seq
+    # a context-parallel rank holds s/cp tokens of each sequence: mbs/cp sequences' worth
+    b, t = plan.mbs / getattr(plan, "cp", 1), plan.tp
+    tokens = b * model.seq
     layer = float(layout_activation_bytes(model, layout, b, c.recompute, c.flash))
     # any profile: activation bytes do not depend on the machine
     activations = float(memory_breakdown(model, load_system("cpu-example"), c, last_stage=True)["activations"])

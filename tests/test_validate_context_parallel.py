@@ -1,0 +1,106 @@
+"""Context-parallel training steps of the validation GPT (validate/context_parallel.py: ring
+attention over gloo, causal load balancing) on CPU, 2 and 4 ranks (validate/cp_check.py;
+docs/real-steps.md, "Context parallelism"): loss and gradients equal the single-process step, and
+per rank the FLOPs, the bytes the ring sends, the tensor-parallel and gradient bytes and the
+activations saved for backward equal perfsim's numbers for the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import run_rank_check  # noqa: E402
+from validate.cp_check import CASES, MODEL  # noqa: E402
+
+# fp32: sums reordered by the blocks and the online softmax, measured ~2e-8 on gradients of ~0.07
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-6
+# bf16 against the fp32 reference, as validate.tp_check's bf16 cases (measured: 1e-5, 0.7%)
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-2, 3e-2
+SEQ, HEADS, HIDDEN, LAYERS, MBS = 32, 4, 64, 2, 2
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def results(request, tmp_path_factory):
+    data = run_rank_check(tmp_path_factory, "validate.cp_check", request.param, "--model", MODEL, "--mbs", str(MBS))
+    assert [c["case"] for c in data["cases"]] == [n for n, (tp, cp, dp, *_) in CASES.items()
+                                                  if tp * cp * dp == request.param]
+    return data
+
+
+def ranks(results):
+    return [(case, rank) for case in results["cases"] for rank in case["ranks"]]
+
+
+@pytest.mark.multiprocess
+def test_loss_and_gradients_equal_single_process(results):
+    for case, rank in ranks(results):
+        assert rank["grad_max_abs"] > 1e-3, case["case"]  # the gradients compared are not trivially zero
+        if case["bf16"]:
+            assert rank["loss"] == pytest.approx(rank["reference_loss"], rel=BF16_LOSS_RTOL), case["case"]
+            assert rank["grad_max_abs_error"] <= BF16_GRAD_RTOL * rank["grad_max_abs"], case["case"]
+        else:
+            assert rank["loss"] == pytest.approx(rank["reference_loss"], rel=LOSS_RTOL), case["case"]
+            assert rank["grad_max_abs_error"] <= GRAD_ATOL, case["case"]
+
+
+@pytest.mark.multiprocess
+def test_causal_load_balancing(results):
+    """Rank i of cp holds chunks i and 2cp-1-i of the 2 cp chunks: s/cp tokens each, every
+    position once over the cp ranks."""
+    for case in results["cases"]:
+        cp, tp = case["cp"], case["tp"]
+        c = SEQ // (2 * cp)
+        held = []
+        for r, rank in enumerate(case["ranks"]):
+            i = (r // tp) % cp  # Megatron's order: tensor innermost, then context
+            assert rank["positions"] == list(range(i * c, (i + 1) * c)) + list(range((2 * cp - 1 - i) * c, (2 * cp - i) * c))
+            if r % tp == 0 and r < tp * cp:
+                held += rank["positions"]
+        assert sorted(held) == list(range(SEQ)), case["case"]
+
+
+@pytest.mark.multiprocess
+def test_flops_are_perfsims_full_square(results):
+    """The products the ring runs plus those it skips above the causal diagonal equal perfsim's
+    hardware FLOPs per device; it skips 2cp-1 of each rank's 4cp (query chunk, key chunk) blocks."""
+    for case, rank in ranks(results):
+        flops, cp = rank["flops"], case["cp"]
+        assert flops["counted"] + flops["skipped"] == rank["perfsim"]["flops"], case["case"]
+        c, heads = SEQ // (2 * cp), HEADS // case["tp"]
+        block = 2 * MBS * heads * c * c * (HIDDEN // HEADS)  # one product of one block
+        forwards = 1 if case["recompute"] == "none" else 2  # recomputation repeats the forward ring
+        assert flops["skipped_by_pass"] == {"forward": LAYERS * forwards * (2 * cp - 1) * 2 * block,
+                                            "backward": LAYERS * (2 * cp - 1) * 5 * block}, case["case"]
+
+
+@pytest.mark.multiprocess
+def test_ring_sends_what_perfsim_prices(results):
+    """Per layer cp-1 key/value blocks (K and V of s/cp tokens, heads/tp, head_dim) forward and
+    2 (cp-1) backward (the blocks and, on the way home, their gradients), one more forward ring
+    under recomputation; in bf16 as perfsim prices them. The tensor-parallel collectives and the
+    gradient all-reduce over the dp x cp ranks are perfsim's too."""
+    for case, rank in ranks(results):
+        cp, tp = case["cp"], case["tp"]
+        kv_block = 2 * 2 * MBS * (SEQ // cp) * (HEADS // tp) * (HIDDEN // HEADS)  # K and V, bf16
+        passes = 3 + (case["recompute"] != "none")
+        sent, expected = rank["sent"], rank["perfsim"]["sent"]
+        assert sent["ring"] == LAYERS * (cp - 1) * passes * kv_block == expected["cp"], case["case"]
+        assert sent["ring_messages"] == LAYERS * (cp - 1) * passes, case["case"]  # K and V go as one message
+        assert sent["tp"] == pytest.approx(expected["tp"], rel=1e-12), case["case"]
+        assert sent["tp_other"] == {}, case["case"]
+        assert sent["gradient_sync"]["all_reduce"] == pytest.approx(expected["dp"], rel=1e-12), case["case"]
+
+
+@pytest.mark.multiprocess
+def test_saved_activations_are_perfsims_at_s_over_cp(results):
+    """Each layer saves Q, K, V, the output and its fp32 log-sum-exp for s/cp tokens, no score
+    block: perfsim's flash layer at mbs/cp sequences' worth of tokens (selective recomputation
+    also drops the log-sum-exp, as in one process: tests/test_validate_attention.py)."""
+    for case, rank in ranks(results):
+        expected, saved = rank["perfsim"]["saved"], rank["saved"]
+        lse = 4 * MBS * (HEADS // case["tp"]) * (SEQ // case["cp"])
+        dropped = lse if case["recompute"] == "selective" else 0
+        for i in range(LAYERS):
+            assert saved["by_region"][f"layer{i}"]["activation"] == expected["layer_like"] - dropped, case["case"]
+        assert saved["by_kind"]["activation"] == expected["like"] - LAYERS * dropped, case["case"]

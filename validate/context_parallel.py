@@ -1,0 +1,327 @@
+"""Context parallelism of validate.gpt's GPT: ring attention over the sequence, causal load balancing.
+
+cp ranks share each sequence. It is cut into 2 cp chunks of c = s / (2 cp) tokens and rank i holds
+chunks i and 2cp-1-i (`local_positions`), so every rank has s/cp tokens and, with the causal mask,
+the same attention work. Everything but the attention core runs on the rank's tokens alone; the
+core (`ring_attention`, an autograd Function written here on torch.distributed point-to-point
+calls, device-generic: gloo, nccl, xccl) passes the key/value blocks around the ring of the cp group:
+
+- forward: cp steps; at step t the rank holds the keys and values of rank i - t and, while it
+  computes its queries' attention against them, sends them on to rank i + 1 and receives the next
+  block from rank i - 1 (cp - 1 sends of one block: K and V of s/cp tokens, heads/tp, head_dim).
+  Each (query chunk, key chunk) pair is a block: below the diagonal in full, on it with the causal
+  mask, above it skipped. The blocks merge with the online softmax: a running output and
+  log-sum-exp per query row (`_merge`), so the result is exactly softmax(QK^T/sqrt(d)) V.
+- backward: the key/value blocks go around again; each rank recomputes its blocks' scores from
+  Q, K and the saved log-sum-exp (no s x s tensor is kept, as in a flash kernel) and adds its
+  share of dK and dV to an accumulator that travels with the block and ends at its owner:
+  the first hop carries K and V, the middle hops K, V and the partial dK, dV, the last hop only
+  dK, dV home; 2 (cp - 1) blocks sent, twice the forward's bytes (what perfsim prices,
+  perfsim.cost.context_parallel).
+
+Why not torch.distributed.tensor.experimental.context_parallel (present in torch 2.13): it is
+experimental, works on DTensors over a DeviceMesh by patching scaled_dot_product_attention's
+dispatch, and its kernels are the device's private SDPA ops, so what it sends and computes is
+hidden behind torch's internals; a ring of a hundred lines is what the checks can count and reason
+about, on every backend.
+
+FLOPs: the blocks' products run as batched matmuls, which validate.instrument counts as they run
+(forward 2, backward 5 products a block: the scores recomputed, dP, dV, dQ, dK). The skipped
+blocks above the diagonal are what perfsim's convention counts and the kernel does not run
+(docs/equations.md 2.1: the full square); `skipped_blocks` tallies them, so a step's count is
+comparable with perfsim's.
+
+The gradient of every parameter is partial per cp rank (each saw its own tokens): the training step
+all-reduces it over the data- and context-parallel ranks together (Megatron's dp-cp group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+from validate.gpt import causal_bias
+
+KV_TAG, DKV_TAG = 1, 2  # two messages may go to the same peer in one step (cp = 2): told apart by tag
+FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 5  # matrix products a block runs each way
+
+
+def load_balanced_chunks(cp: int, rank: int) -> tuple:
+    """The two of the 2 cp sequence chunks context-parallel rank `rank` holds: i and 2cp-1-i."""
+    return rank, 2 * cp - 1 - rank
+
+
+def local_positions(seq: int, cp: int, rank: int):
+    """Positions in the sequence of the s/cp tokens rank `rank` of `cp` holds, in order."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallelism of {cp} needs the sequence ({seq}) divisible by 2 x cp = {2 * cp}")
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in load_balanced_chunks(cp, rank)])
+
+
+_tallies = []
+
+
+@contextlib.contextmanager
+def skipped_blocks():
+    """Tally of the block products the ring skips (above the causal diagonal) while inside, as
+    FLOPs at perfsim's count: {"forward": ..., "backward": ...}. The counted FLOPs of a step plus
+    these are the full square perfsim counts."""
+    tally = {"forward": 0, "backward": 0}
+    _tallies.append(tally)
+    try:
+        yield tally
+    finally:
+        _tallies.remove(tally)
+
+
+def _note_skipped(which: str, q_chunk, k_chunk, products: int) -> None:
+    b, heads, c, d = q_chunk.shape
+    for tally in _tallies:
+        tally[which] += products * 2 * b * heads * c * k_chunk.shape[-2] * d
+
+
+def _block_scores(q, k, causal: bool):
+    """Q K^T / sqrt(d) of one block, [b, heads, c, c], the causal mask added on the diagonal."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(1 / math.sqrt(q.shape[-1]))
+    if causal:
+        scores += causal_bias(q.shape[-2], scores.dtype, scores.device)
+    return scores
+
+
+def _merge(out, lse, block_out, block_lse):
+    """The online softmax: a running fp32 output and log-sum-exp per query row merged with one
+    block's, as if their keys had been one softmax."""
+    merged = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
+    return out, merged
+
+
+class _Ring:
+    """This rank's place in the cp group: its index, the group, the ranks it sends to and receives
+    from (group indices), its chunks' indices."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def chunks_of(self, step: int) -> tuple:
+        """The chunk indices of the key/value block held at `step` (it came from rank i - step)."""
+        return load_balanced_chunks(self.size, (self.rank - step) % self.size)
+
+    def start(self, send, receive, tag: int) -> list:
+        """Send `send` to the next rank and receive `receive` from the previous one, without waiting."""
+        return [dist.isend(send, group=self.group, group_dst=self.next, tag=tag),
+                dist.irecv(receive, group=self.group, group_src=self.prev, tag=tag)]
+
+
+def _wait(requests) -> None:
+    for r in requests:
+        r.wait()
+
+
+def _pairs(ring, step):
+    """(query chunk slot, key chunk slot, causal) of the blocks computed at `step`, and the skipped
+    (query slot, key slot) pairs: slot 0 and 1 are a rank's first and second chunk."""
+    mine, held = load_balanced_chunks(ring.size, ring.rank), ring.chunks_of(step)
+    run, skip = [], []
+    for qi, qc in enumerate(mine):
+        for ki, kc in enumerate(held):
+            if kc <= qc:
+                run.append((qi, ki, kc == qc))
+            else:
+                skip.append((qi, ki))
+    return run, skip
+
+
+def _halves(x):
+    return x.chunk(2, dim=-2)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries against every rank's keys and values, [b, heads,
+    s/cp, d] each, over the cp group `group` (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        ring = _Ring(group)
+        kv = torch.stack([k, v])  # one message a step: keys and values of this rank's s/cp tokens
+        q_chunks = _halves(q)
+        out = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
+        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in q_chunks]
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            incoming = torch.empty_like(kv) if not last else None
+            pending = ring.start(kv, incoming, KV_TAG) if not last else []
+            k_chunks, v_chunks = _halves(kv[0]), _halves(kv[1])
+            run, skip = _pairs(ring, step)
+            for qi, ki, causal in run:
+                scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
+                block_lse = torch.logsumexp(scores.float(), dim=-1)
+                probs = torch.exp(scores.float() - block_lse.unsqueeze(-1)).to(v.dtype)
+                out[qi], lse[qi] = _merge(out[qi], lse[qi], torch.matmul(probs, v_chunks[ki]), block_lse)
+            for qi, ki in skip:
+                _note_skipped("forward", q_chunks[qi], k_chunks[ki], FORWARD_PRODUCTS)
+            _wait(pending)
+            kv = incoming
+        # laid out [b, s, heads, d] in memory, as a fused kernel's output: the projection's input
+        # [b, s, heads x d] is then a view of it, not a copy
+        context = torch.cat(out, dim=-2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.cat(lse, dim=-1)
+        ctx.save_for_backward(q, k, v, context, lse)
+        ctx.group = group
+        return context
+
+    @staticmethod
+    def backward(ctx, grad_context):
+        q, k, v, context, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        grad_context = grad_context.contiguous()
+        # D = rowsum(dO * O): the softmax backward's correction term, per query row
+        delta = (grad_context.float() * context.float()).sum(-1)
+        q_chunks, do_chunks = _halves(q), _halves(grad_context)
+        lse_chunks, delta_chunks = _halves(lse.unsqueeze(-1)), _halves(delta.unsqueeze(-1))
+        dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
+        kv = torch.stack([k, v])
+        own = partial = None  # this rank's share of its own block's dK, dV; the travelling one received
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            incoming = torch.empty_like(kv) if not last else None
+            pending = ring.start(kv, incoming, KV_TAG) if not last else []
+            k_chunks, v_chunks = _halves(kv[0]), _halves(kv[1])
+            grads = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dk_chunks, dv_chunks = _halves(grads[0]), _halves(grads[1])
+            run, skip = _pairs(ring, step)
+            scale = 1 / math.sqrt(q.shape[-1])
+            for qi, ki, causal in run:
+                scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
+                probs = torch.exp(scores.float() - lse_chunks[qi])
+                dv_chunks[ki].add_(torch.matmul(probs.to(q.dtype).transpose(-2, -1), do_chunks[qi]).float())
+                dprobs = torch.matmul(do_chunks[qi], v_chunks[ki].transpose(-2, -1))
+                dscores = (probs * (dprobs.float() - delta_chunks[qi])).to(q.dtype)
+                dq[qi] += torch.matmul(dscores, k_chunks[ki]).float() * scale
+                dk_chunks[ki].add_(torch.matmul(dscores.transpose(-2, -1), q_chunks[qi]).float(), alpha=scale)
+            for qi, ki in skip:
+                _note_skipped("backward", q_chunks[qi], k_chunks[ki], BACKWARD_PRODUCTS)
+            if step == 0:
+                own = grads
+            else:
+                # the held block's dK, dV so far (from the ranks it visited since its owner) plus
+                # this rank's share, on to the next rank: after the last step that is the owner;
+                # and the next block's from the previous rank (after the last step, our own)
+                dkv = (grads if partial is None else partial.float() + grads).to(kv.dtype)
+                partial = torch.empty_like(dkv)
+                _wait(ring.start(dkv, partial, DKV_TAG))
+            _wait(pending)
+            kv = incoming
+        if partial is not None:
+            own = own + partial.float()
+        dkv = own.to(k.dtype)
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0], dkv[1], None
+
+
+def ring_attention(q, k, v, group):
+    """validate.gpt's attention core under context parallelism (see RingAttention)."""
+    return RingAttention.apply(q, k, v, group)
+
+
+def context_parallelize(gpt, group):
+    """Make `gpt` (validate.gpt.GPT, flash attention, tensor-parallel or not, without SP) one rank of
+    the context-parallel `group`: it takes this rank's s/cp tokens (`local_positions`), adds their
+    positions, and runs its attention as `ring_attention` over the group."""
+    if gpt.cfg.attention != "flash":
+        raise ValueError("context parallelism runs ring attention, a fused kernel: it needs attention = flash")
+    if gpt.sp:
+        raise ValueError("the harness runs context parallelism without sequence parallelism")
+    gpt.positions = local_positions(gpt.cfg.seq, dist.get_world_size(group), dist.get_rank(group))
+    for block in gpt.blocks:
+        block.attn.core = functools.partial(ring_attention, group=group)
+    return gpt
+
+
+def data_context_groups(device_type: str, tp: int, cp: int, dp: int):
+    """(mesh, cp group, dp-cp group) of this rank in Megatron's order, tensor innermost, then
+    context, then data (rank = t + tp (c + cp d)). The mesh's "tp" dimension shards the layers; the
+    dp-cp group (the ranks with this rank's tensor-parallel index) sums the gradients. Every rank
+    calls this (group creation is collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    joint = [dist.new_group([t + tp * j for j in range(cp * dp)]) for t in range(tp)]
+    return mesh, mesh["cp"].get_group(), joint[dist.get_rank() % tp]
+
+
+def all_reduce_gradients(module, group, members: int) -> None:
+    """Sum every parameter's (local) gradient over `group` in one call and divide by `members`:
+    the gradient of the mean loss over the dp x cp ranks' tokens (each rank's loss is its mean).
+    A gradient DTensor placed otherwise than its parameter is first brought to the parameter's
+    placement (no communication): the vocabulary-parallel embedding's comes out of backward
+    Replicate, the whole table on every tensor-parallel rank, and summing that would send tp
+    times the bytes of the rank's shard."""
+    for p in module.parameters():
+        if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
+             if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= members
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class ContextParallelStep:
+    """build_step's training step for plans with cp > 1: validate.gpt's GPT with flash attention,
+    1d tensor parallelism (no SP) over tp, ring attention over cp, the gradients summed over the
+    dp x cp ranks (plain data parallelism, ZeRO 0), pp = 1."""
+
+    def __init__(self, plan, model, device, dtype):
+        from validate.gpt import GPT, GPTConfig, parallelize
+        from validate.optim import MasterAdam
+        from validate.steps import initialise, synthetic_batches
+        from validate.timing import context_parallel_problems
+
+        reasons = context_parallel_problems(plan)
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention)
+        mesh, cp_group, self.grad_group = data_context_groups(torch.device(device).type, plan.tp, plan.cp, plan.dp)
+        with torch.device("meta"):  # sharded before it gets memory, as validate.steps.TensorParallelStep
+            net = GPT(cfg).to(dtype=dtype)
+        if plan.tp > 1:
+            parallelize(net, mesh["tp"], False)
+        net.to_empty(device=device)
+        initialise(net, seed=0)
+        self.module = context_parallelize(net, cp_group)
+        self.members = plan.dp * plan.cp
+        self.optimizer = MasterAdam(net.parameters())
+        self.optimizer.init_states()
+        rows = plan.microbatches * plan.mbs
+        tokens, targets = synthetic_batches(plan.dp * rows, cfg.seq, cfg.vocab)
+        mine = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows)
+        columns = net.positions
+        tokens, targets = tokens[mine][:, columns].to(device), targets[mine][:, columns].to(device)
+        self.batches = list(zip(tokens.split(plan.mbs), targets.split(plan.mbs)))
+
+    def run(self) -> float:
+        total = 0.0
+        for tokens, targets in self.batches:
+            loss = self.module.loss(tokens, targets) / len(self.batches)
+            self.module.backward(loss)
+            total += float(loss.detach())
+        all_reduce_gradients(self.module, self.grad_group, self.members)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def build_step(plan, model, device, dtype) -> ContextParallelStep:
+    """The context-parallel training step of `plan` on this rank (see validate.steps)."""
+    return ContextParallelStep(plan, model, device, dtype)
