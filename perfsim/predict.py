@@ -14,7 +14,7 @@ from perfsim.errors import PerfsimError
 from perfsim.schedule.analytic import step_time
 from perfsim.spec.model import ModelSpec, load_model
 from perfsim.spec.plan import Plan, plan_problems
-from perfsim.spec.system import System, load_system
+from perfsim.spec.system import System, for_dtype, load_system
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -42,6 +42,9 @@ class Prediction:
     model: ModelSpec
     system: System = field(repr=False)
     dtype: str = "bf16"
+    # share of the step's compute time priced by the parametric curves away from any kernel the
+    # profile measured (1 for a profile without measured tables; perfsim.cost.measured)
+    compute_extrapolated_share: float = 1.0
 
     def as_json(self) -> dict:
         """The `perfsim predict --json` object (shared/DESIGN.md)."""
@@ -57,6 +60,7 @@ class Prediction:
             "memory_peak_stage": self.memory_peak_stage, "device_memory_bytes": self.device_memory_bytes,
             "fits": self.fits, "plan": self.plan.as_dict(), "model": self.model.as_dict(),
             "system": self.system.name, "dtype": self.dtype,
+            "compute_extrapolated_share": self.compute_extrapolated_share,
         }
 
 
@@ -82,7 +86,9 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
     computation behind both `predict` and the search. Plans must be valid."""
     peak = peak_flops(system, dtype)
     c = at_dtype(c, dtype)
-    step, breakdown = step_time(model, system, c, stage_costs(model, system, c, peak))
+    system = for_dtype(system, dtype)
+    costs = stage_costs(model, system, c, peak)
+    step, breakdown = step_time(model, system, c, costs)
     memory = peak_memory(model, system, c)
     recompute = np.where(c.recompute == FULL, counts.recompute_flops_per_sample(model, "full"),
                          np.where(c.recompute == SELECTIVE, counts.recompute_flops_per_sample(model, "selective"), 0.0))
@@ -100,8 +106,18 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
         "mfu": model_flops / per_device / peak, "hfu": (model_flops + c.gbs * recompute) / per_device / peak,
         "time_breakdown_s": breakdown, "memory_bytes": {k: memory[k] for k in MEMORY_KEYS},
         "memory_peak_stage": memory["stage"], "fits": memory["total"] <= system.device.memory_bytes,
-        "peak_flops": peak,
+        "peak_flops": peak, "compute_extrapolated_share": extrapolated_share(costs, c.pp),
     }
+
+
+def extrapolated_share(costs, pp):
+    """Share of a step's compute (and recompute) time priced by the parametric curves alone: the
+    stages' curve parts over their compute, the first and last stage once each and pp - 2 middle
+    stages (with pp 1 the first stage holds everything)."""
+    weights = (1.0, np.maximum(pp - 2, 0), np.where(pp > 1, 1.0, 0.0))
+    stages = (costs.first, costs.middle, costs.last)
+    curve = sum(w * s.curve for w, s in zip(weights, stages))
+    return np.clip(curve / sum(w * (s.compute + s.recompute) for w, s in zip(weights, stages)), 0.0, 1.0)
 
 
 def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str = "bf16") -> Prediction:
@@ -121,4 +137,5 @@ def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str
         memory_bytes={k: float(v) for k, v in r["memory_bytes"].items()},
         memory_peak_stage=str(r["memory_peak_stage"]), device_memory_bytes=system.device.memory_bytes,
         fits=bool(r["fits"]), plan=plan, model=model, system=system, dtype=dtype,
+        compute_extrapolated_share=float(r["compute_extrapolated_share"]),
     )

@@ -41,8 +41,9 @@ def expected_probe_s(system, dtype: str, gemm) -> float:
     """What the profile says the probe takes."""
     from perfsim.cost.layer import gemm_time
     from perfsim.predict import peak_flops
+    from perfsim.spec.system import for_dtype
 
-    return float(gemm_time(system.device, peak_flops(system, dtype), gemm))
+    return float(gemm_time(for_dtype(system, dtype).device, peak_flops(system, dtype), gemm))
 
 
 def probe_norm(model, plan) -> tuple:
@@ -54,12 +55,13 @@ def expected_norm_probe_s(system, dtype: str, norm: tuple) -> float:
     """What the profile says one call of the LayerNorm probe takes (the bytes as the calibration
     records a layernorm point, validate.microbench.compute_counts)."""
     from perfsim.cost.layer import measured_memory_op, memory_time
+    from perfsim.spec.system import for_dtype
     from validate.microbench import Point, _shape, compute_counts
 
     rows, cols = norm
     point = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
     op, backward = measured_memory_op("layernorm", compute_counts(point)["nbytes"])
-    return float(memory_time(system.device, op, backward))
+    return float(memory_time(for_dtype(system, dtype).device, op, backward))
 
 
 def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool:

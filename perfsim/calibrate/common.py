@@ -97,6 +97,7 @@ class Calibration:
     quality: list  # Quality rows
     notes: list  # lines for the report and the profile's header
     system: object = None  # the calibrated System
+    tables: tuple = ()  # measured kernel tables (perfsim.cost.measured.KernelTable)
 
 
 def least_squares(residuals, x0, bounds):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -17,6 +18,7 @@ from perfsim.calibrate.memory import fit_memory
 from perfsim.calibrate.overheads import fit_tp_overhead
 from perfsim.calibrate.profile import calibrated_profile
 from perfsim.calibrate.report import format_report
+from perfsim.calibrate.tables import measured_tables
 
 
 def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "expected",
@@ -43,6 +45,7 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
             usable.append({**r, "_t": float(t)})
     if not usable:
         raise PerfsimError(f"ledger {ledger_name} has no usable measurements to fit")
+    base = dataclasses.replace(base, device=dataclasses.replace(base.device, measured=()))  # tables of another ledger
     cpu_clocked = sum(1 for r in usable if clock == "auto" and isinstance(r.get("cpu_stats"), dict))
     what = ("the mean of each compute point's repetitions, the min of each collective's (plus the "
             "step overhead)" if statistic == "expected" else f"the {statistic} of each point's repetitions")
@@ -77,7 +80,10 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values.update(v), notes.extend(n)
     system = with_values(system, v)
     quality.extend(check_attention(usable, system))
-    return Calibration(values, quality, notes, system)
+    tables, q, n = measured_tables(usable, system, ledger_name)
+    quality.extend(q), notes.extend(n)
+    system = dataclasses.replace(system, device=dataclasses.replace(system.device, measured=tables))
+    return Calibration(values, quality, notes, system, tables)
 
 
 def _prefer_records(usable: list, suite: str, field: str, order: tuple, notes: list, say) -> list:

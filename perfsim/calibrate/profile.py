@@ -9,6 +9,7 @@ import os
 
 from perfsim.calibrate.common import Calibration
 from perfsim.calibrate.report import format_quality_row
+from perfsim.calibrate.tables import table_toml
 
 
 # --- the calibrated profile ---
@@ -38,6 +39,10 @@ def _toml_value(value) -> str:
         return _toml_float(value)
     if isinstance(value, str):
         return _toml_string(value)
+    if isinstance(value, list):  # a table's rows one per line
+        if value and all(isinstance(v, list) for v in value):
+            return "[\n" + "".join(f"  {_toml_value(v)},\n" for v in value) + "]"
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to a profile")
 
 
@@ -78,6 +83,11 @@ def calibrated_profile(base_path: str, calibration: Calibration, ledger: str, na
             table, item = item.split(".")
             where = where.setdefault(table, {})
         where[item] = {"value": float(f"{fitted.value:.6g}"), "provenance": "calibrated", "source": fitted.source}
+    data["device"].pop("measured", None)  # the base profile's tables measured another machine
+    if calibration.tables:
+        measured = data["device"]["measured"] = {}
+        for table in calibration.tables:
+            measured.setdefault(table.kernel, {})[table.dtype] = table_toml(table, ledger)
     parse_system(data, f"calibrated profile from {ledger}")  # refuse to write a profile perfsim cannot load
     header = [f"Calibrated by `perfsim calibrate` from ledger {ledger} on "
               f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; base profile "

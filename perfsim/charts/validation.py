@@ -41,6 +41,7 @@ def _predicted(system, records: list) -> tuple:
     """(predicted seconds per record, NaN where perfsim has no prediction, and notes)."""
     from perfsim.cost.layer import Gemm, gemm_time, measured_memory_op, memory_time
     from perfsim.predict import peak_flops
+    from perfsim.spec.system import for_dtype
 
     out = np.full(len(records), np.nan)
     collectives = []
@@ -56,10 +57,11 @@ def _predicted(system, records: list) -> tuple:
                 peak = peak_flops(system, r["dtype"])
             except PerfsimError:
                 continue
-            out[i] = float(gemm_time(system.device, peak, Gemm(r["op"], s.get("count", 1), s["m"], s["n"], s["k"])))
+            device = for_dtype(system, r["dtype"]).device  # its measured tables of that dtype
+            out[i] = float(gemm_time(device, peak, Gemm(r["op"], s.get("count", 1), s["m"], s["n"], s["k"])))
         elif r["suite"] == "memory":
             op, backward = measured_memory_op(r["op"], float(r["nbytes"]))  # its kind and direction
-            out[i] = float(memory_time(system.device, op, backward))
+            out[i] = float(memory_time(for_dtype(system, r["dtype"]).device, op, backward))
         elif r["suite"] == "collective":
             collectives.append(i)
     if collectives:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from perfsim.cost import measured
 from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import BACKWARD, Device
@@ -84,6 +85,7 @@ class Work:
     core_time_s: object = 0.0
     backward_s: object = 0.0  # the backward pass of the same ops
     weight_grad_s: object = 0.0  # the weight-gradient GEMMs inside backward_s (same shapes as forward)
+    curve_s: object = 0.0  # of time_s + backward_s, what rests on the parametric curves alone (cost/measured.py)
 
 
 def gemm_efficiency(device: Device, m, n, k):
@@ -92,29 +94,71 @@ def gemm_efficiency(device: Device, m, n, k):
     return device.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
 
 
-def gemm_time(device: Device, peak_flops: float, g: Gemm):
-    flops = 2.0 * g.count * g.m * g.n * g.k
-    nbytes = BF16 * g.count * (g.m * g.k + g.k * g.n + g.m * g.n)
-    compute = flops / (peak_flops * gemm_efficiency(device, g.m, g.n, g.k))
+def gemm_curve_time(device: Device, peak_flops: float, count, m, n, k):
+    """The parametric GEMM model: roofline of the efficiency model and the streaming bytes."""
+    flops = 2.0 * count * m * n * k
+    nbytes = BF16 * count * (m * k + k * n + m * n)
+    compute = flops / (peak_flops * gemm_efficiency(device, m, n, k))
     memory = nbytes / (device.memory_bandwidth_Bps * device.memory_efficiency)
     return np.maximum(compute, memory) + device.kernel_overhead_s
+
+
+def gemm_time_and_share(device: Device, peak_flops: float, g: Gemm) -> tuple:
+    """(seconds, share of them resting on the curve alone): the parametric model, corrected by
+    the profile's measured GEMMs of the prediction's dtype near this shape (perfsim.cost.measured;
+    share 1 without them)."""
+    time = gemm_curve_time(device, peak_flops, g.count, g.m, g.n, g.k)
+    table = measured.find_table(device.measured, measured.GEMM, device.kernel_dtype)
+    if table is None:
+        return time, 1.0
+    factor, share = measured.correction(table, [g.count, g.m, g.n, g.k],
+                                        gemm_curve_time(device, peak_flops, *table.coordinates_linear()))
+    return time * factor, share
+
+
+def gemm_time(device: Device, peak_flops: float, g: Gemm):
+    return gemm_time_and_share(device, peak_flops, g)[0]
 
 
 def _streaming_time(device: Device, nbytes, efficiency):
     return nbytes / (device.memory_bandwidth_Bps * efficiency) + device.kernel_overhead_s
 
 
+def _measured(device: Device, kernel: str, nbytes, curve_of) -> tuple:
+    """(seconds, curve share) of an element-wise kernel of `nbytes`: `curve_of(bytes)`, corrected
+    by the profile's table of that kernel where it has one (its points priced by the same curve)."""
+    curve = curve_of(nbytes)
+    table = measured.find_table(device.measured, kernel, device.kernel_dtype) if kernel else None
+    if table is None:
+        return curve, 1.0
+    factor, share = measured.correction(table, [nbytes], curve_of(table.coordinates_linear()[0]))
+    return curve * factor, share
+
+
+def memory_times_and_shares(device: Device, op: MemoryOp) -> tuple:
+    """(forward, backward, forward curve share, backward curve share): memory_times, each kernel
+    corrected by its measured table (perfsim.cost.measured) where the profile has one."""
+    efficiency = device.memory_efficiency_of(op.kind)
+    efficiency = device.memory_efficiency if efficiency is None else efficiency
+    forward_curve = lambda nbytes: _streaming_time(device, nbytes, efficiency)  # noqa: E731
+    backward_efficiency = device.memory_efficiency_of(op.kind, backward=True)
+    if backward_efficiency is None:  # MEMORY_BACKWARD x the forward time of 1 / MEMORY_BACKWARD of the bytes
+        backward_curve = lambda nbytes: MEMORY_BACKWARD * forward_curve(nbytes / MEMORY_BACKWARD)  # noqa: E731
+    else:
+        backward_curve = lambda nbytes: _streaming_time(device, nbytes, backward_efficiency)  # noqa: E731
+    forward, forward_share = _measured(device, op.kind, op.nbytes, forward_curve)
+    backward, backward_share = _measured(device, op.kind + BACKWARD if op.kind else "", MEMORY_BACKWARD * op.nbytes,
+                                         backward_curve)
+    return forward, backward, forward_share, backward_share
+
+
 def memory_times(device: Device, op: MemoryOp) -> tuple:
     """(forward, backward) seconds of an element-wise op: bytes / (bandwidth x efficiency) + one
     kernel overhead each, the efficiency of the op's kind and direction where the profile has one
     (the backward moving MEMORY_BACKWARD x the forward bytes); otherwise memory_efficiency forward
-    and MEMORY_BACKWARD x the forward time backward."""
-    efficiency = device.memory_efficiency_of(op.kind)
-    forward = _streaming_time(device, op.nbytes, device.memory_efficiency if efficiency is None else efficiency)
-    efficiency = device.memory_efficiency_of(op.kind, backward=True)
-    if efficiency is None:
-        return forward, MEMORY_BACKWARD * forward
-    return forward, _streaming_time(device, MEMORY_BACKWARD * op.nbytes, efficiency)
+    and MEMORY_BACKWARD x the forward time backward. Measured tables correct either near the
+    sizes they hold."""
+    return memory_times_and_shares(device, op)[:2]
 
 
 def memory_time(device: Device, op: MemoryOp, backward: bool = False):
@@ -214,7 +258,8 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
     total = Work()
     unfused = 1 - flash
     for g in gemms:
-        flops, time = 2.0 * g.count * g.m * g.n * g.k, gemm_time(*gemm_rate(device, peak_flops, g, fp8), g)
+        flops = 2.0 * g.count * g.m * g.n * g.k
+        time, share = gemm_time_and_share(*gemm_rate(device, peak_flops, g, fp8), g)
         total.flops = total.flops + flops
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
             time = unfused * time
@@ -223,21 +268,24 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
             total.weight_grad_s = total.weight_grad_s + time
         total.time_s = total.time_s + time
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
+        total.curve_s = total.curve_s + share * (1 + GEMM_BACKWARD) * time
         if g.name == ATTENTION_CORE[0]:
             forward, backward = flash_attention_times(device, peak_flops, g)
             total.time_s = total.time_s + flash * forward
             total.core_time_s = total.core_time_s + flash * forward
             total.backward_s = total.backward_s + flash * backward
+            total.curve_s = total.curve_s + flash * (forward + backward)  # no table of fused kernels yet
     if fp8:
         forward, backward = fp8_cast_times(device, gemms)
         total.time_s, total.backward_s = total.time_s + forward, total.backward_s + backward
     for op in memory_ops:
-        time, backward = memory_times(device, op)
+        time, backward, forward_share, backward_share = memory_times_and_shares(device, op)
         if op.name in CORE_MEMORY_OPS:  # inside the fused kernel, in on-chip memory
             time, backward = unfused * time, unfused * backward
             total.core_time_s = total.core_time_s + time
         total.time_s = total.time_s + time
         total.backward_s = total.backward_s + backward
+        total.curve_s = total.curve_s + forward_share * time + backward_share * backward
     return total
 
 
@@ -251,7 +299,7 @@ def embedding_work(model: ModelSpec, device: Device, b, region_split) -> Work:
     if model.dropout:
         nbytes = nbytes + (2 * BF16 + 1) * full
     time, backward = memory_times(device, MemoryOp("embedding", nbytes))
-    return Work(time_s=time, backward_s=backward)
+    return Work(time_s=time, backward_s=backward, curve_s=time + backward)
 
 
 def head_memory_ops(model: ModelSpec, b, split, region_split, vocab) -> list[MemoryOp]:

@@ -38,6 +38,7 @@ class StageTime:
     forward_compute: object = 0.0  # part of compute spent in forward
     forward_tp: object = 0.0  # part of tp_comm spent in forward (not recomputation)
     weight_grad: object = 0.0  # weight-gradient GEMMs inside the backward compute
+    curve: object = 0.0  # part of compute + recompute priced by the parametric curves alone (cost/measured.py)
 
     KINDS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm")
 
@@ -88,6 +89,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                        backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp),
                        forward_compute=n * (layer.time_s + host_fwd), forward_tp=n * layer_tp_fwd,
                        weight_grad=n * layer.weight_grad_s)
+    # recomputation repeats the layer's kernels: it rests on the curves in the layer's proportion
+    middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * (middle.compute + middle.recompute)
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
@@ -149,7 +152,7 @@ def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
                      tp_comm=stage.tp_comm + tp_forward + tp_backward, pp_comm=stage.pp_comm, dp_comm=stage.dp_comm,
                      backward=stage.backward + extra.backward_s + tp_backward,
                      forward_compute=stage.forward_compute + extra.time_s, forward_tp=stage.forward_tp + tp_forward,
-                     weight_grad=stage.weight_grad + extra.weight_grad_s)
+                     weight_grad=stage.weight_grad + extra.weight_grad_s, curve=stage.curve + extra.curve_s)
 
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:

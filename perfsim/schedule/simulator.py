@@ -40,7 +40,7 @@ from perfsim.schedule import engine
 from perfsim.schedule.analytic import BREAKDOWN_KEYS
 from perfsim.schedule.orders import SCHEDULES, B, F, W, stage_order
 from perfsim.spec.model import ModelSpec
-from perfsim.spec.system import System
+from perfsim.spec.system import System, for_dtype
 
 POSITIONS = ("first", "middle", "last")
 ZERO_BUBBLE_ONE_CHUNK = "zb-h1 has one chunk per stage: leave out --vpp and --schedule interleaved"
@@ -694,6 +694,7 @@ def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = No
                            f"or fewer micro-batches (--gbs / (--mbs x dp))")
     c = at_dtype(columns_of(plan), dtype)
     peak = peak_flops(system, dtype)
+    system = for_dtype(system, dtype)
     costs = step_costs(model, system, c, stage_costs(model, system, c, peak), stage_phases(model, system, c, peak),
                        schedule=schedule or plan.schedule)
     result = run_step(costs)

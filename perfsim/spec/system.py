@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from perfsim.spec._toml import read_toml
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 from perfsim.errors import PerfsimError, did_you_mean
 from perfsim.spec.plan import ATTENTION
@@ -52,6 +52,11 @@ class Device:
     # efficiency: FP8 GEMMs follow the bf16 GEMM efficiency model (docs/equations.md 3.11).
     peak_flops_fp8: float | None = None
     fp8_gemm_efficiency: float | None = None
+    # Optional measured kernel tables ([device.measured.<kernel>.<dtype>], perfsim.cost.measured):
+    # KernelTables that correct the curves near measured shapes; `kernel_dtype` is the dtype a
+    # prediction runs (set by `for_dtype`), whose tables apply.
+    measured: tuple = ()
+    kernel_dtype: str = ""
 
     def memory_efficiency_of(self, kind: str, backward: bool = False):
         """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
@@ -177,7 +182,7 @@ _COUNT = ("int", 1, INF, True)
 _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
-                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency")}
+                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
@@ -208,7 +213,67 @@ def _section_keys(section: str) -> tuple:
     """Every key [section] may hold, required or optional (anything else is an error)."""
     tables = tuple(key.split(".")[1] for key in _OPERATION_TABLES if key.startswith(section + "."))
     return (_STRINGS.get(section, ()) + tuple(_CHOICES.get(section, {})) + tuple(_RULES[section])
-            + tuple(_OPTIONAL.get(section, {})) + tables)
+            + tuple(_OPTIONAL.get(section, {})) + tables + (("measured",) if section == "device" else ()))
+
+
+_TABLE_PARTS = ("provenance", "source", "width_octaves", "columns", "points")
+TABLE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+MOST_TABLE_POINTS = 100_000  # a table is interpolated point by point: more is a mistake, not a measurement
+
+
+def _measured_tables(where: str, raw, provenance: dict) -> tuple:
+    """[device.measured.<kernel>.<dtype>] tables as KernelTables (perfsim.cost.measured), in file
+    order; every problem names the table."""
+    from perfsim.cost.measured import GEMM, GEMM_COLUMNS, MEMORY_COLUMNS, KernelTable
+
+    kernels = (GEMM,) + MEMORY_OPERATIONS
+    if not isinstance(raw, dict):
+        raise PerfsimError(f"{where}: device.measured must hold tables [device.measured.<kernel>.<dtype>]")
+    tables = []
+    for kernel, by_dtype in raw.items():
+        if kernel not in kernels:
+            raise PerfsimError(f"{where}: unknown kernel device.measured.{kernel}{did_you_mean(kernel, kernels)}; "
+                               f"one of {', '.join(kernels)}")
+        if not isinstance(by_dtype, dict):
+            raise PerfsimError(f"{where}: device.measured.{kernel} must hold one table per dtype ({', '.join(TABLE_DTYPES)})")
+        for dtype, table in by_dtype.items():
+            key = f"device.measured.{kernel}.{dtype}"
+            if dtype not in TABLE_DTYPES:
+                raise PerfsimError(f"{where}: unknown dtype {key}{did_you_mean(dtype, TABLE_DTYPES)}; one of {', '.join(TABLE_DTYPES)}")
+            if not isinstance(table, dict):
+                raise PerfsimError(f"{where}: {key} must be a table with provenance, source, width_octaves, columns and points")
+            _refuse_unknown(where, table, _TABLE_PARTS, f"{key}.", "a measured table holds " + ", ".join(_TABLE_PARTS))
+            for part in _TABLE_PARTS:
+                if part not in table:
+                    raise PerfsimError(f"{where}: {key} has no {part}")
+            if table["provenance"] != "measured":
+                raise PerfsimError(f"{where}: {key}.provenance must be \"measured\", got {table['provenance']!r}")
+            if not isinstance(table["source"], str) or not table["source"].strip():
+                raise PerfsimError(f"{where}: {key}.source must say where the measurements come from")
+            width = _number(where, f"{key}.width_octaves",
+                            {"value": table["width_octaves"], "provenance": "measured", "source": "-"}, _POSITIVE)
+            columns = list(GEMM_COLUMNS if kernel == GEMM else MEMORY_COLUMNS)
+            if table["columns"] != columns:
+                raise PerfsimError(f"{where}: {key}.columns must be {columns}, got {table['columns']!r}")
+            points = table["points"]
+            if not isinstance(points, list) or not points or len(points) > MOST_TABLE_POINTS:
+                raise PerfsimError(f"{where}: {key}.points must be a list of 1 to {MOST_TABLE_POINTS:,} rows")
+            for i, row in enumerate(points):
+                if (not isinstance(row, list) or len(row) != len(columns)
+                        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
+                               for x in row)):
+                    raise PerfsimError(f"{where}: {key}.points[{i}] must be {len(columns)} positive numbers "
+                                       f"({', '.join(columns)}), got {row!r}")
+            tables.append(KernelTable(kernel, dtype, tuple(tuple(float(x) for x in row) for row in points), float(width)))
+            provenance[key] = ("measured", table["source"])
+    return tuple(tables)
+
+
+def for_dtype(system, dtype: str):
+    """`system` whose device applies its measured tables of `dtype` (the same system when it has none)."""
+    if not system.device.measured or system.device.kernel_dtype == dtype:
+        return system
+    return replace(system, device=replace(system.device, kernel_dtype=dtype))
 
 
 def _refuse_unknown(where: str, table: dict, allowed, prefix: str, holds: str) -> None:
@@ -312,6 +377,8 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
             if key in raw:
                 values[key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
+        if section == "device" and "measured" in raw:
+            values["measured"] = _measured_tables(where, raw["measured"], provenance)
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")

@@ -1,0 +1,103 @@
+"""Measured kernel tables: every GEMM and element-wise kernel the ledger timed, kept in the profile
+(perfsim.cost.measured) so that predictions interpolate the measurements and use the fitted curves
+only where nothing near was measured.
+
+A table holds the fitted points only; the held-out points measure it, against the curve alone on
+the same points. Its Gaussian width (in octaves) is the one that predicts each fitted point best
+from the others (leave-one-out), so nothing about it is tuned on the held-out points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from perfsim.calibrate.common import Quality, mape, measured_times, split_held_out
+from perfsim.cost import measured
+from perfsim.errors import PerfsimError
+
+GEMM_SHAPE = ("count", "m", "n", "k")
+
+
+def _gemm_curve(system, dtype: str):
+    """seconds(count, m, n, k) of the fitted GEMM model in `dtype`, None without a peak for it."""
+    from perfsim.cost.layer import gemm_curve_time
+    from perfsim.predict import peak_flops
+
+    try:
+        peak = peak_flops(system, dtype)
+    except PerfsimError:
+        return None
+    return lambda count, m, n, k: gemm_curve_time(system.device, peak, count, m, n, k)  # noqa: E731
+
+
+def _memory_curve(system, name: str):
+    """seconds(bytes) of the fitted element-wise model for kernel `name` (its bytes as recorded)."""
+    from perfsim.cost.layer import measured_memory_op, memory_time
+
+    def curve(nbytes):
+        op, backward = measured_memory_op(name, np.asarray(nbytes, float))
+        return memory_time(system.device, op, backward)
+    return curve
+
+
+def _table(kernel: str, dtype: str, fit: list, columns, curve):
+    """The KernelTable of the fitted records, at its leave-one-out width, and its curve at the points."""
+    points = tuple(tuple(float(c) for c in columns(r)) + (float(t),) for r, t in zip(fit, measured_times(fit)))
+    table = measured.KernelTable(kernel, dtype, points)
+    at_points = curve(*table.coordinates_linear())
+    return measured.best_width(table, at_points), at_points
+
+
+def _quality(name: str, table, at_points, held: list, columns, curve) -> Quality:
+    """Leave-one-out MAPE on the fitted points, and held-out MAPE of the table beside the curve's."""
+    loo = measured.leave_one_out_error(table, at_points)
+    if not held:
+        return Quality(name, loo, len(table.points), float("nan"), 0, note=f"width {table.width:g} octaves")
+    coords = [np.array([columns(r)[i] for r in held], float) for i in range(len(columns(held[0])))]
+    alone = curve(*coords)
+    factor, share = measured.correction(table, coords, at_points)
+    t = measured_times(held)
+    return Quality(name, loo, len(table.points), mape(alone * factor, t), len(held),
+                   note=f"curve alone {100 * mape(alone, t):.1f}%; width {table.width:g} octaves, "
+                        f"{100 * float(np.mean(share)):.0f}% of the held-out time on the curve")
+
+
+def measured_tables(records: list, system, ledger: str) -> tuple:
+    """(KernelTables, quality rows, notes) from the ledger's GEMM and element-wise records, against
+    the calibrated `system`'s curves. Leave-one-out MAPE is reported as the rows' "fit" figure."""
+    from perfsim.spec.system import MEMORY_OPERATIONS
+
+    device = dataclasses.replace(system.device, measured=(), kernel_dtype="")
+    system = dataclasses.replace(system, device=device)
+    tables, quality = [], []
+    gemm_columns = lambda r: [r["shape"].get("count", 1), r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]]  # noqa: E731
+    memory_columns = lambda r: [r["nbytes"]]  # noqa: E731
+    kernels = [(measured.GEMM, "gemm", gemm_columns)] + [(name, "memory", memory_columns) for name in MEMORY_OPERATIONS]
+    for kernel, suite, columns in kernels:
+        ops = None if suite == "gemm" else (kernel,)
+        fit_all, held_all = split_held_out(records, suite, ops)
+        for dtype in sorted({r["dtype"] for r in fit_all}):
+            fit = [r for r in fit_all if r["dtype"] == dtype]
+            held = [r for r in held_all if r["dtype"] == dtype]
+            curve = _gemm_curve(system, dtype) if suite == "gemm" else _memory_curve(system, kernel)
+            if curve is None or len(fit) < 2:
+                continue
+            table, at_points = _table(kernel, dtype, fit, columns, curve)
+            tables.append(table)
+            quality.append(_quality(f"table {kernel} {dtype} (fit: leave-one-out)", table, at_points, held, columns, curve))
+    notes = [f"measured tables: {len(tables)} kernels x dtypes, {sum(len(t.points) for t in tables)} points of ledger "
+             f"{ledger}; predictions interpolate them in log2 of each shape coordinate and rest on the fitted curves "
+             f"only far from every point (perfsim.cost.measured)"] if tables else []
+    return tuple(tables), quality, notes
+
+
+def table_toml(table, ledger: str) -> dict:
+    """One table as the profile's [device.measured.<kernel>.<dtype>] holds it."""
+    columns = measured.GEMM_COLUMNS if table.kernel == measured.GEMM else measured.MEMORY_COLUMNS
+    return {"provenance": "measured",
+            "source": f"{len(table.points)} points of ledger {ledger} (held-out points left out; width chosen by "
+                      f"leave-one-out)",
+            "width_octaves": table.width, "columns": list(columns),
+            "points": [[int(x) if float(x).is_integer() else float(f"{x:.6g}") for x in p] for p in table.points]}

@@ -1,0 +1,106 @@
+"""Measured kernel tables: what calibration timed, interpolated in log space (docs/equations.md 3.10).
+
+A calibrated profile carries the kernels it measured ([device.measured.<kernel>.<dtype>]): GEMMs by
+(count, m, n, k), each element-wise kernel forward and backward by bytes. A prediction keeps the
+parametric curve (the GEMM efficiency model, the streaming model) and corrects it by the measured
+points near the shape asked for: the log ratio measured / curve of every point, averaged with
+Gaussian weights over the distance in octaves (log2 of each coordinate), and shrunk towards the
+curve (ratio 1) by a prior with the weight of a point PRIOR_OCTAVES away. So at a measured shape
+the prediction is (nearly) the measurement, between measured shapes it follows them, and far from
+all of them the curve extrapolates. The prior's share of the weight is the share of a kernel's time
+that rests on the curve alone: the extrapolated share a prediction reports.
+
+A curve that cannot describe a machine (bf16 GEMMs fast at some shapes and slow at others, as with
+AMX, or element-wise kernels whose speed steps at cache sizes) is what the table is for: the curve
+only has to be right where nothing was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GEMM = "gemm"
+GEMM_COLUMNS = ("count", "m", "n", "k", "seconds")
+MEMORY_COLUMNS = ("bytes", "seconds")
+PRIOR_OCTAVES = 1.5  # beyond about this distance from every measured point the curve takes over
+WIDTHS = (0.35, 0.5, 0.7, 1.0)  # Gaussian widths (octaves) calibration chooses from, by leave-one-out
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """Measured times of one kernel in one dtype: `points` is ((coordinate, ..., seconds), ...) in
+    the order of GEMM_COLUMNS or MEMORY_COLUMNS; `width` the Gaussian width in octaves."""
+
+    kernel: str  # GEMM, or an element-wise kernel name (perfsim.spec.system.MEMORY_OPERATIONS)
+    dtype: str
+    points: tuple
+    width: float = 0.5
+
+    @property
+    def coordinates(self) -> np.ndarray:
+        return np.log2(np.array([p[:-1] for p in self.points], float))
+
+    def coordinates_linear(self) -> list:
+        """The points' coordinates as columns (count, m, n, k or bytes), to price them on the curve."""
+        return [np.array([p[i] for p in self.points], float) for i in range(len(self.points[0]) - 1)]
+
+    @property
+    def seconds(self) -> np.ndarray:
+        return np.array([p[-1] for p in self.points], float)
+
+
+def find_table(tables: tuple, kernel: str, dtype: str) -> KernelTable | None:
+    return next((t for t in tables if t.kernel == kernel and t.dtype == dtype), None)
+
+
+def _weights(table: KernelTable, query: np.ndarray, leave_out_self: bool = False) -> tuple:
+    """(weights of each measured point for each query row, the prior's weight): Gaussian in the
+    distance in octaves."""
+    d2 = ((query[:, None, :] - table.coordinates[None, :, :]) ** 2).sum(axis=2)
+    w = np.exp(-d2 / (2 * table.width**2))
+    if leave_out_self:
+        np.fill_diagonal(w, 0.0)
+    return w, np.exp(-PRIOR_OCTAVES**2 / (2 * table.width**2))
+
+
+def _unique_rows(coordinates: list) -> tuple:
+    """(distinct rows of the broadcast coordinates in log2, index of each element's row, shape): a
+    search asks for the same few shapes across many plans, so interpolate each shape once."""
+    arrays = np.broadcast_arrays(*[np.asarray(c, float) for c in coordinates])
+    shape = arrays[0].shape
+    rows = np.log2(np.stack([a.ravel() for a in arrays], axis=1))
+    if rows.shape[0] == 1:
+        return rows, np.zeros(1, int), shape
+    unique, inverse = np.unique(rows, axis=0, return_inverse=True)
+    return unique, inverse.ravel(), shape
+
+
+def correction(table: KernelTable, coordinates: list, curve_at_points) -> tuple:
+    """(factor, curve share) for kernels at `coordinates` (numbers or arrays, one per coordinate of
+    the table): the curve's time times `factor` is the prediction; `curve share` is the part of it
+    the measurements do not support. `curve_at_points`: the curve's seconds at the table's points."""
+    rows, inverse, shape = _unique_rows(coordinates)
+    residual = np.log(table.seconds / np.asarray(curve_at_points, float))
+    w, prior = _weights(table, rows)
+    total = w.sum(axis=1) + prior
+    factor = np.exp((w @ residual) / total)[inverse].reshape(shape)
+    share = (prior / total)[inverse].reshape(shape)
+    return (factor, share) if shape else (float(factor), float(share))
+
+
+def leave_one_out_error(table: KernelTable, curve_at_points) -> float:
+    """Mean absolute relative error of each point predicted from the others (the table's own
+    cross-validation, used to choose its width)."""
+    residual = np.log(table.seconds / np.asarray(curve_at_points, float))
+    w, prior = _weights(table, table.coordinates, leave_out_self=True)
+    predicted = np.exp((w @ residual) / (w.sum(axis=1) + prior)) * curve_at_points
+    return float(np.mean(np.abs(predicted - table.seconds) / table.seconds))
+
+
+def best_width(table: KernelTable, curve_at_points) -> KernelTable:
+    """`table` with the width of WIDTHS that predicts its points best from the others."""
+    errors = {w: leave_one_out_error(KernelTable(table.kernel, table.dtype, table.points, w), curve_at_points)
+              for w in WIDTHS}
+    return KernelTable(table.kernel, table.dtype, table.points, min(errors, key=errors.get))

@@ -1,0 +1,188 @@
+"""Measured kernel tables (perfsim.cost.measured, perfsim.calibrate.tables; docs/equations.md 3.10):
+interpolation near measurements, the curve far from them, the share that rests on the curve, the
+profile round trip, and a machine the parametric curve cannot describe."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from perfsim import calibrate as cal
+from perfsim.cost import measured
+from perfsim.cost.layer import Gemm, MemoryOp, gemm_curve_time, gemm_time, gemm_time_and_share, memory_times
+from perfsim.errors import PerfsimError
+from perfsim.predict import predict
+from perfsim.spec.plan import Plan
+from perfsim.spec.system import for_dtype, load_system
+from tests.test_calibrate_fit import _truth, synthetic_records
+
+DIMS = (64, 128, 256, 512, 1024, 2048)
+
+
+def _amx_like(m, n, k):
+    """A machine the product-form curve cannot describe: GEMMs with every dimension a multiple of
+    512 run 3x faster than the rest (tiles that fill the matrix unit), the others as the curve says."""
+    return np.where((np.asarray(m) % 512 == 0) & (np.asarray(n) % 512 == 0) & (np.asarray(k) % 512 == 0), 1 / 3, 1.0)
+
+
+def _gemm_table(device, peak, shapes, dtype="bf16", speed=_amx_like, width=0.5):
+    points = tuple((1.0, m, n, k, float(gemm_curve_time(device, peak, 1, m, n, k) * speed(m, n, k))) for m, n, k in shapes)
+    return measured.KernelTable(measured.GEMM, dtype, points, width)
+
+
+def test_near_a_measured_shape_the_prediction_is_the_measurement_and_far_away_the_curve():
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    table = _gemm_table(system.device, peak, [(1024, 1024, 1024)])
+    device = dataclasses.replace(system.device, measured=(table,), kernel_dtype="bf16")
+    curve = float(gemm_curve_time(device, peak, 1, 1024, 1024, 1024))
+    at, share = gemm_time_and_share(device, peak, Gemm("g", 1, 1024, 1024, 1024))
+    # one point: the prior weighs exp(-1.5^2 / (2 w^2)) against the point's 1
+    prior = np.exp(-measured.PRIOR_OCTAVES**2 / (2 * 0.5**2))
+    assert share == pytest.approx(prior / (1 + prior))
+    assert at == pytest.approx(curve * np.exp(np.log(1 / 3) / (1 + prior)))
+    far, far_share = gemm_time_and_share(device, peak, Gemm("g", 1, 64, 64, 64))
+    assert far == pytest.approx(float(gemm_curve_time(device, peak, 1, 64, 64, 64)), rel=1e-6)
+    assert far_share == pytest.approx(1.0, abs=1e-6)
+    # another dtype's prediction does not use the bf16 table
+    assert gemm_time(dataclasses.replace(device, kernel_dtype="fp32"), peak, Gemm("g", 1, 1024, 1024, 1024)) == \
+        pytest.approx(curve)
+
+
+def test_arrays_are_interpolated_as_each_element_alone():
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    table = _gemm_table(system.device, peak, itertools.product((256, 1024), repeat=3))
+    device = dataclasses.replace(system.device, measured=(table,), kernel_dtype="bf16")
+    m = np.array([256.0, 300.0, 1024.0, 256.0, 4096.0])
+    n = np.array([1024.0, 700.0, 1024.0, 1024.0, 64.0])
+    together = gemm_time(device, peak, Gemm("g", 1.0, m, n, 512.0))
+    alone = [float(gemm_time(device, peak, Gemm("g", 1.0, a, b, 512.0))) for a, b in zip(m, n)]
+    np.testing.assert_allclose(together, alone, rtol=1e-12)
+
+
+def test_element_wise_tables_correct_forward_and_backward_kernels_apart():
+    system = load_system("cpu-calibrated")
+    dev = dataclasses.replace(system.device, measured=(), kernel_dtype="bf16")
+    sizes = [2.0**e for e in range(16, 26)]
+    forward = [float(memory_times(dev, MemoryOp("norm1", n, "layernorm"))[0]) for n in sizes]
+    backward = [float(memory_times(dev, MemoryOp("norm1", n, "layernorm"))[1]) for n in sizes]
+    # a machine whose layernorm forward runs 2x slower than the curve, its backward as the curve
+    fwd = measured.KernelTable("layernorm", "bf16", tuple((n, 2 * t) for n, t in zip(sizes, forward)))
+    bwd = measured.KernelTable("layernorm_backward", "bf16", tuple((1.5 * n, t) for n, t in zip(sizes, backward)))
+    with_tables = dataclasses.replace(dev, measured=(fwd, bwd))
+    f, b = memory_times(with_tables, MemoryOp("norm1", 2.0**20, "layernorm"))
+    f0, b0 = memory_times(dev, MemoryOp("norm1", 2.0**20, "layernorm"))
+    assert float(f) == pytest.approx(2 * float(f0), rel=0.01)  # the prior's pull, under 1% amid 10 points
+    assert float(b) == pytest.approx(float(b0), rel=1e-9)
+
+
+def test_a_machine_the_curve_cannot_describe_is_predicted_from_its_table():
+    """GEMMs 3x faster on 512-multiples: the fitted curve misses the held-out shapes by tens of
+    percent; the table, built from the fitted shapes only, predicts them within a few."""
+    base, truth = _truth()
+    records = synthetic_records(truth, noise=0.02)
+    for r in records:
+        if r["suite"] == "gemm" and r["dtype"] == "bf16":
+            s = r["shape"]
+            r["stats"]["median_s"] *= float(_amx_like(s["m"], s["n"], s["k"]))
+    calibration = cal.fit(records, base, "amx.jsonl")
+    rows = {q.name: q for q in calibration.quality}
+    curve, table = rows["gemm bf16"], rows["table gemm bf16 (fit: leave-one-out)"]
+    assert curve.held_mape > 0.2
+    assert table.held_points == curve.held_points > 10
+    assert table.held_mape < 0.08
+    assert table.held_mape < curve.held_mape / 3
+
+
+def test_the_calibrated_profile_carries_its_tables_and_predictions_use_them(tmp_path):
+    base, truth = _truth()
+    calibration = cal.fit(synthetic_records(truth), base, "synthetic.jsonl")
+    assert {(t.kernel, t.dtype) for t in calibration.tables} >= {("gemm", "fp32"), ("gemm", "bf16"), ("layernorm", "fp32")}
+    path = tmp_path / "with-tables.toml"
+    path.write_text(cal.calibrated_profile(base.path, calibration, "synthetic.jsonl", "with-tables", "test"))
+    system = load_system(str(path))
+    loaded = {(t.kernel, t.dtype): t for t in system.device.measured}
+    for t in calibration.tables:
+        assert loaded[(t.kernel, t.dtype)].width == t.width
+        np.testing.assert_allclose(loaded[(t.kernel, t.dtype)].seconds, t.seconds, rtol=1e-5)
+    assert system.provenance["device.measured.gemm.bf16"][0] == "measured"
+    held = [r for r in synthetic_records(truth) if r["suite"] == "gemm" and r["dtype"] == "bf16" and cal.held_out(r)]
+    assert not any(p[1:4] == (r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]) for r in held
+                   for p in loaded[("gemm", "bf16")].points)  # held-out points stay out of the table
+    plan = Plan(tp=2, mbs=1, gbs=2)
+    model = "layers=2,hidden=512,heads=8,seq=256,vocab=1024"
+    with_tables = predict(model, system, plan, "bf16")
+    without = predict(model, dataclasses.replace(system, device=dataclasses.replace(system.device, measured=())),
+                      plan, "bf16")
+    assert without.compute_extrapolated_share == pytest.approx(1.0)
+    assert 0.0 <= with_tables.compute_extrapolated_share < 1.0
+    assert with_tables.as_json()["compute_extrapolated_share"] == with_tables.compute_extrapolated_share
+    # recalibrating from a profile with tables starts from its curves alone
+    again = cal.fit(synthetic_records(truth), system, "synthetic.jsonl")
+    assert [t.points for t in again.tables] == [t.points for t in calibration.tables]
+
+
+def test_a_profile_without_tables_predicts_as_before():
+    system = load_system("dgx-h100")
+    assert for_dtype(system, "bf16") is system  # nothing to apply: no copy, no cost
+    p = predict("gpt3-1.3b", system, Plan(tp=2, dp=4, mbs=2, gbs=64), "bf16")
+    assert p.compute_extrapolated_share == pytest.approx(1.0)
+
+
+def _profile_with(tmp_path, table_text: str):
+    text = open(load_system("cpu-example").path).read() + table_text
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return str(path)
+
+
+GOOD = """
+[device.measured.gemm.bf16]
+provenance = "measured"
+source = "a test"
+width_octaves = 0.5
+columns = ["count", "m", "n", "k", "seconds"]
+points = [[1, 64, 64, 64, 1e-5]]
+"""
+
+
+@pytest.mark.parametrize("change, message", [
+    (("gemm.bf16", "gemm.bf17"), "unknown dtype device.measured.gemm.bf17"),
+    (("gemm.bf16", "gemmm.bf16"), "unknown kernel device.measured.gemmm"),
+    (('"measured"\nsource', '"assumed"\nsource'), 'provenance must be "measured"'),
+    (("1e-5]]", "-1e-5]]"), r"points\[0\] must be 5 positive numbers"),
+    (("1e-5]]", "1e-5, 3]]"), r"points\[0\] must be 5 positive numbers"),
+    (('"k", "seconds"', '"seconds", "k"'), "columns must be"),
+    (("width_octaves = 0.5", "width_octaves = -1"), "width_octaves.value must be above 0"),
+    (("width_octaves = 0.5\n", ""), "has no width_octaves"),
+    (("points = [[1, 64, 64, 64, 1e-5]]", "points = []"), "points must be a list of 1 to"),
+])
+def test_bad_tables_are_one_line_errors_naming_the_key(tmp_path, change, message):
+    path = _profile_with(tmp_path, GOOD.replace(*change))
+    with pytest.raises(PerfsimError, match=message) as error:
+        load_system(path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_good_table_loads(tmp_path):
+    system = load_system(_profile_with(tmp_path, GOOD))
+    (table,) = system.device.measured
+    assert (table.kernel, table.dtype, table.width, table.points) == ("gemm", "bf16", 0.5, ((1, 64, 64, 64, 1e-5),))
+
+
+def test_leave_one_out_chooses_a_width_and_never_sees_the_point_it_predicts():
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    table = _gemm_table(system.device, peak, itertools.product(DIMS, repeat=3))
+    at = gemm_curve_time(system.device, peak, *table.coordinates_linear())
+    best = measured.best_width(table, at)
+    assert best.width in measured.WIDTHS
+    errors = {w: measured.leave_one_out_error(dataclasses.replace(table, width=w), at) for w in measured.WIDTHS}
+    assert errors[best.width] == min(errors.values())
+    # a lone point predicted from nothing else is the curve: its error is the machine's own deviation
+    lone = measured.KernelTable("gemm", "bf16", table.points[:1], 0.5)
+    assert measured.leave_one_out_error(lone, at[:1]) == pytest.approx(abs(1 - float(_amx_like(64, 64, 64))))
