@@ -189,6 +189,8 @@ def _profile_text() -> str:
 
 
 GEMM_EFF = "[device.gemm_efficiency]\nvalue = 0.651"
+GEMM_RANGE = "range = [0.61, 0.835]"
+OVERHEAD_RANGE = "per-call oneCCL overhead with CCL_OP_SYNC=1, 0-1 ms\"\nrange = [0.0, 1e-3]\n\n[collectives.operation_step_overhead_s.all_gather]"
 NUMBER = "\nvalue = 1.0\nprovenance = \"spec\"\nsource = \"x\"\n"
 
 # (id, (old, new) replacement in smng-p2.toml or text appended, expected outcome, word of the message)
@@ -229,6 +231,33 @@ PROFILE_CASES = [
     ("devices-per-node-2-to-62", ("[node.devices_per_node]\nvalue = 8", "[node.devices_per_node]\nvalue = 4611686018427387904"),
      "error", None),
     ("long-description", ('description = "', 'description = "' + "x" * 1_000_000), "ok", None),
+    # ranges (issue 16): lo above hi, value outside, NaN, wrong shape, outside the key's allowed values
+    ("range-lo-above-hi", (GEMM_RANGE, "range = [0.835, 0.61]"), "error", "device.gemm_efficiency.range has lo"),
+    ("range-value-outside", (GEMM_RANGE, "range = [0.7, 0.835]"), "error", "gemm_efficiency.value 0.651 lies outside"),
+    ("range-nan", (GEMM_RANGE, "range = [nan, 0.835]"), "error", "device.gemm_efficiency.range must hold finite"),
+    ("range-inf", (GEMM_RANGE, "range = [0.61, inf]"), "error", "device.gemm_efficiency.range must hold finite"),
+    ("range-one-number", (GEMM_RANGE, "range = 0.7"), "error", "device.gemm_efficiency.range must be two numbers"),
+    ("range-three-numbers", (GEMM_RANGE, "range = [0.6, 0.7, 0.8]"), "error", "gemm_efficiency.range must be two"),
+    ("range-strings", (GEMM_RANGE, 'range = ["0.6", "0.8"]'), "error", "gemm_efficiency.range must be two"),
+    ("range-above-a-fraction", (GEMM_RANGE, "range = [0.61, 1.5]"), "error", "allowed values"),
+    ("range-unknown-distribution", (GEMM_RANGE, GEMM_RANGE + '\ndistribution = "normal"'), "error",
+     "gemm_efficiency.distribution must be one of"),
+    ("range-loguniform-from-zero", (OVERHEAD_RANGE, OVERHEAD_RANGE + '\ndistribution = "loguniform"'), "error",
+     "operation_step_overhead_s.all_gather.range must be above 0"),
+    ("distribution-without-range", ("[device.memory_efficiency]\nvalue = 0.61",
+                                    '[device.memory_efficiency]\ndistribution = "uniform"\nvalue = 0.61'),
+     "error", "memory_efficiency.distribution needs a range"),
+    ("range-beside-causes", ("[collectives.network_efficiency]\nvalue = 0.0725",
+                             "[collectives.network_efficiency]\nrange = [0.05, 0.1]\nvalue = 0.0725"),
+     "error", "network_efficiency has both causes and a range"),
+    ("cause-without-source", ("[collectives.network_efficiency.causes.hdr_transfer]\nrange = [0.80, 0.96]\nsource",
+                              "[collectives.network_efficiency.causes.hdr_transfer]\nrange = [0.80, 0.96]\nsourc"),
+     "error", "unknown key collectives.network_efficiency.causes.hdr_transfer.sourc"),
+    ("cause-zero", ("[collectives.network_efficiency.causes.hdr_transfer]\nrange = [0.80, 0.96]",
+                    "[collectives.network_efficiency.causes.hdr_transfer]\nrange = [0.0, 0.96]"), "error",
+     "causes.hdr_transfer.range must be above 0"),
+    ("observations-not-a-path", ('observations = "observations/smng-p2.toml"', "observations = 3"), "error",
+     "observations must be the path"),
     ("unicode-name", ('name = "smng-p2"', 'name = "超级计算机 ☃"'), "ok", None),
 ]
 
@@ -799,7 +828,7 @@ def test_any_line_of_a_ledger(tmp_path_factory, line):
 
 @FAST
 @given(section=st.sampled_from(["device", "node", "network", "collectives", "framework"]), key=st.text(max_size=12),
-       value=JSON, part=st.sampled_from(["value", "provenance", "source", None]))
+       value=JSON, part=st.sampled_from(["value", "provenance", "source", "range", "distribution", "causes", None]))
 def test_any_profile_edit(section, key, value, part):
     """A real profile with one key of a section replaced or added: a System or a PerfsimError."""
     from perfsim.spec._toml import tomllib

@@ -70,7 +70,9 @@ def test_every_number_has_allowed_provenance_and_a_source(path):
     entries = list(_numbers(raw))
     assert len(entries) >= 25
     for section, key, entry in entries:
-        assert set(entry) == {"value", "provenance", "source"}, (section, key)
+        # value, provenance and source; optionally a range (or the causes a number is the product of)
+        assert {"value", "provenance", "source"} <= set(entry) <= {"value", "provenance", "source", "range",
+                                                                   "distribution", "causes"}, (section, key)
         assert entry["provenance"] in ALLOWED_PROVENANCE, (section, key, entry["provenance"])
         assert isinstance(entry["source"], str) and len(entry["source"].strip()) >= 10, (section, key)
         value = entry["value"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from perfsim.errors import PerfsimError, did_you_mean
 from perfsim.spec.plan import ATTENTION
+from perfsim.uncertainty.ranges import parse_ranges
 
 # hwprofiles/ at the top of the repository, shipped inside the package through the
 # perfsim/hwprofiles link so that a plain `pip install .` finds it too.
@@ -172,6 +173,9 @@ class System:
     framework: Framework
     provenance: dict  # "section.key" -> (provenance, source)
     path: str = ""
+    # "section.key" -> perfsim.uncertainty.ranges.Range for numbers with a range or causes
+    ranges: dict = field(default_factory=dict)
+    observations: str = ""  # path of the observations file the profile names (perfsim.uncertainty)
 
 
 # Allowed range per key: (kind, lowest, highest, lowest allowed?). "int" keys must be whole numbers.
@@ -205,8 +209,8 @@ _STRINGS = {"device": ("name",), "network": ("topology",)}
 _CHOICES = {"collectives": {"algorithm": ALGORITHMS},
             "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS, "attention": ATTENTION}}
 _TOPOLOGIES = ("fat-tree",)
-_TOP_LEVEL = ("schema", "name", "description")
-_NUMBER_PARTS = ("value", "provenance", "source")
+_TOP_LEVEL = ("schema", "name", "description", "observations")
+_NUMBER_PARTS = ("value", "provenance", "source", "range", "distribution", "causes")
 
 
 def _section_keys(section: str) -> tuple:
@@ -287,7 +291,7 @@ def _refuse_unknown(where: str, table: dict, allowed, prefix: str, holds: str) -
 def _number(where: str, key: str, entry, rule) -> float:
     if not isinstance(entry, dict):
         raise PerfsimError(f"{where}: {key} must be a table with value, provenance and source (see docs/profile-format.md)")
-    _refuse_unknown(where, entry, _NUMBER_PARTS, f"{key}.", "a number holds value, provenance and source")
+    _refuse_unknown(where, entry, _NUMBER_PARTS, f"{key}.", "a number holds value, provenance, source and optionally range, distribution or causes")
     for part in ("value", "provenance", "source"):
         if part not in entry:
             raise PerfsimError(f"{where}: {key} has no {part}")
@@ -394,7 +398,8 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         name=data["name"], description=data["description"], device=Device(**sections["device"]),
         node=Node(**node), network=Network(**sections["network"]),
         collectives=Collectives(**sections["collectives"]), framework=Framework(**sections["framework"]),
-        provenance=provenance, path=path,
+        provenance=provenance, path=path, ranges=parse_ranges(where, data, provenance, number_rule),
+        observations=_observations_path(where, data, path),
     )
 
 
@@ -414,3 +419,34 @@ def load_system(text: str) -> System:
         if not os.path.exists(path):
             raise PerfsimError(f"unknown system {text!r}; available: {', '.join(available_systems())} (or a path to a .toml profile)")
     return parse_system(read_toml(path, "system profile"), f"system profile {path}", path)
+
+
+def number_rule(key: str):
+    """(kind, lowest, highest, lowest allowed?) of a profile number, "section.key" or
+    "section.table.name"; None for anything else (a measured table)."""
+    section, _, rest = key.partition(".")
+    table = f"{section}.{rest.split('.')[0]}"
+    if table in _OPERATION_TABLES:
+        return _OPERATION_TABLES[table][2]
+    return _RULES.get(section, {}).get(rest) or _OPTIONAL.get(section, {}).get(rest)
+
+
+def number_value(system: System, key: str):
+    """The loaded value of a profile number ("section.key" or "section.table.name"); None for a
+    key that is not one number."""
+    section, _, rest = key.partition(".")
+    name, _, entry = rest.partition(".")
+    value = getattr(getattr(system, section), name, None)
+    if entry:
+        value = dict(value or ()).get(entry) if isinstance(value, tuple) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _observations_path(where: str, data: dict, path: str) -> str:
+    """The observations file a profile names (relative to the profile's folder), or ""."""
+    name = data.get("observations")
+    if name is None:
+        return ""
+    if not isinstance(name, str) or not name.strip():
+        raise PerfsimError(f"{where}: observations must be the path of an observations file (docs/profile-format.md)")
+    return os.path.realpath(os.path.join(os.path.dirname(path), name)) if path and not os.path.isabs(name) else name

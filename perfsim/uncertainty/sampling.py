@@ -1,0 +1,138 @@
+"""Quasi-random draws over a profile's ranges, and the predictions of every draw.
+
+The cost code takes numpy arrays wherever it takes a device or framework number (their formulas
+are arithmetic), but the collective model routes and picks algorithms per link configuration
+and caches by it, so node, network and collectives numbers must be plain numbers. A draw
+therefore pairs one of `comm_points` link configurations (a scrambled Sobol design over the link
+dimensions) with its own device and framework numbers (a Sobol design over those dimensions):
+draw i takes link configuration i mod comm_points. Each link configuration is one call of the
+closed form with the device and framework numbers of its draws as arrays, so a prediction over
+512 draws costs 64 closed-form evaluations, not 512.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import qmc
+
+from perfsim.predict import evaluate
+from perfsim.uncertainty.ranges import profile_ranges
+
+LINK_SECTIONS = ("node", "network", "collectives")
+DEFAULT_SAMPLES = 512
+DEFAULT_COMM_POINTS = 64
+
+
+@dataclass(frozen=True)
+class Draws:
+    """`values[i, j]`: draw i's value of profile number `keys[j]`; `groups[i]`: draw i's link
+    configuration; `factors[name]`: each named cause's factor per draw ("<key>.causes.<name>")."""
+    system: object
+    keys: tuple
+    values: np.ndarray
+    groups: np.ndarray
+    factors: dict
+
+    @property
+    def n(self) -> int:
+        return self.values.shape[0]
+
+    def subset(self, rows) -> "Draws":
+        rows = np.asarray(rows)
+        return dataclasses.replace(self, values=self.values[rows], groups=self.groups[rows],
+                                   factors={k: v[rows] for k, v in self.factors.items()})
+
+
+def _unit(dimensions: int, n: int, seed: int) -> np.ndarray:
+    """n points of a scrambled Sobol design in [0, 1)^dimensions (the first n of the next power of two)."""
+    if dimensions == 0:
+        return np.zeros((n, 0))
+    m = max(int(np.ceil(np.log2(max(n, 2)))), 1)
+    return qmc.Sobol(dimensions, scramble=True, seed=seed).random_base2(m)[:n]
+
+
+def _scaled(u: np.ndarray, lo: float, hi: float, distribution: str) -> np.ndarray:
+    if distribution == "loguniform":
+        return np.exp(np.log(lo) + u * (np.log(hi) - np.log(lo)))
+    return lo + u * (hi - lo)
+
+
+def draw(system, n: int = DEFAULT_SAMPLES, seed: int = 0, comm_points: int = DEFAULT_COMM_POINTS,
+         ranges: dict | None = None) -> Draws:
+    """n draws of every uncertain number of `system` (perfsim.uncertainty.ranges.profile_ranges,
+    or `ranges`), reproducible for a given seed."""
+    ranges = profile_ranges(system) if ranges is None else ranges
+    comm_points = max(1, min(comm_points, n))
+    keys = tuple(ranges)
+    # one dimension per number, or one per cause of a number that has causes
+    dims = [(key, cause) for key in keys for cause in (ranges[key].causes or (None,))]
+    link = [d for d in dims if d[0].split(".")[0] in LINK_SECTIONS]
+    rest = [d for d in dims if d[0].split(".")[0] not in LINK_SECTIONS]
+    groups = np.arange(n) % comm_points
+    u_link = _unit(len(link), comm_points, seed)[groups]
+    u_rest = _unit(len(rest), n, seed + 1)
+    columns = dict(zip(link, u_link.T)) | dict(zip(rest, u_rest.T))
+    values, factors = np.ones((n, len(keys))), {}
+    for (key, cause), u in columns.items():
+        j = keys.index(key)
+        if cause is None:
+            r = ranges[key]
+            values[:, j] = _scaled(u, r.lo, r.hi, r.distribution)
+        else:
+            factor = _scaled(u, cause.lo, cause.hi, cause.distribution)
+            factors[f"{key}.causes.{cause.name}"] = factor
+            values[:, j] *= factor
+    return Draws(system, keys, values, groups, factors)
+
+
+def _with_numbers(system, numbers: dict):
+    """`system` with the numbers {"section.key" or "section.table.name": value} replaced."""
+    sections = {}
+    for key, value in numbers.items():
+        section, _, name = key.partition(".")
+        changes = sections.setdefault(section, {})
+        name, _, entry = name.partition(".")
+        if entry:  # an entry of a per-operation table: ((name, value), ...)
+            table = dict(changes.get(name, getattr(getattr(system, section), name)))
+            table[entry] = value
+            changes[name] = tuple(table.items())
+        else:
+            changes[name] = value
+    return dataclasses.replace(system, **{section: dataclasses.replace(getattr(system, section), **changes)
+                                          for section, changes in sections.items()})
+
+
+def group_systems(draws: Draws):
+    """(rows, system) per link configuration: the draws that share it, and a system whose link
+    numbers are that configuration's and whose device and framework numbers are arrays over the
+    rows."""
+    for g in np.unique(draws.groups):
+        rows = np.flatnonzero(draws.groups == g)
+        numbers = {}
+        for j, key in enumerate(draws.keys):
+            column = draws.values[rows, j]
+            numbers[key] = float(column[0]) if key.split(".")[0] in LINK_SECTIONS else column
+        yield rows, _with_numbers(draws.system, numbers)
+
+
+def _broadcast(value, rows: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(value, dtype=float), (rows,))
+
+
+def evaluate_draws(model, draws: Draws, columns, dtype: str = "bf16") -> dict:
+    """predict.evaluate's numbers for one plan (`columns` of a single plan) under every draw:
+    each a numpy array over the draws; time_breakdown_s and memory_bytes dicts of arrays."""
+    out: dict = {}
+    for rows, system in group_systems(draws):
+        result = evaluate(model, system, columns, dtype)
+        for key, value in result.items():
+            if isinstance(value, dict):
+                target = out.setdefault(key, {})
+                for part, v in value.items():
+                    target.setdefault(part, np.empty(draws.n))[rows] = _broadcast(v, rows.size)
+            elif not isinstance(value, str) and np.asarray(value).dtype.kind in "fiub":
+                out.setdefault(key, np.empty(draws.n))[rows] = _broadcast(value, rows.size)
+    return out
