@@ -68,3 +68,16 @@ def test_ranks_agree_on_the_slowest_first_call():
     """Collectives must make the same calls on every rank: the decision uses the agreed time."""
     _, number, _, _ = run(0.1, agree=lambda seconds: 0.9)
     assert number == 1
+
+
+def test_the_collective_burst_is_sized_in_seconds_not_in_a_shape():
+    """The compute before an interleaved collective lasts BURST_SECONDS on any machine: a 512-row
+    GEMM that took 0.4 s (bf16 on an AVX2-only CPU) shrinks to the 16-row floor, one that took
+    0.3 ms grows 10x, and a zero timer reading keeps the shape."""
+    from validate.microbench import burst_rows
+
+    assert burst_rows(512, 0.4, 3e-3) == 16
+    assert burst_rows(512, 3e-4, 3e-3) == 5120
+    assert burst_rows(512, 1e-9, 3e-3) == 64 * 512
+    assert burst_rows(512, 0.0, 3e-3) == 512
+    assert burst_rows(512, 6e-3, 3e-3) == 256

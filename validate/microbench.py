@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,9 +130,21 @@ GEMM_TIMING = "rotate"
 ROTATING_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20, "xpu": 512 << 20}
 MAX_COPIES = 4096  # of the tiniest GEMMs' operands (64 MiB of 64x64x64 would be 2700 copies)
 STREAM_MIN_CALLS = 8  # calls per repetition at least, so the stream's steady state dominates
-# The compute burst before an interleaved call: a bf16 GEMM of a few milliseconds on one CPU core
-# (about 0.3 ms on a GPU), the size of a layer's GEMM in the validation runs.
+# The compute burst before an interleaved call: a GEMM in the device's native dtype (fp32 on a CPU,
+# whose bf16 GEMMs may run 40x slower without AVX512-BF16 or AMX; bf16 on a GPU), its rows sized
+# on first use so that it lasts BURST_SECONDS on the slowest rank: a layer's GEMM in the validation
+# runs, whatever the machine. BURST_GEMM is the shape it is sized from.
 BURST_GEMM = {"cpu": (512, 768, 512), "gpu": (8192, 8192, 4096)}
+BURST_SECONDS = {"cpu": 3e-3, "gpu": 3e-4}
+BURST_DTYPE = {"cpu": "fp32", "gpu": "bf16"}
+
+
+def burst_rows(rows: int, seconds: float, target: float) -> int:
+    """Rows of a burst GEMM that ran `seconds` with `rows` rows, scaled to last `target` (within
+    16 rows and 64 x the starting rows: a timer's zero or a stalled call cannot size it absurdly)."""
+    if not seconds > 0:
+        return rows
+    return int(min(64 * rows, max(16, round(rows * target / seconds))))
 
 
 def _shape(**dims) -> tuple:
@@ -547,14 +560,29 @@ class Communicator:
         return [float(x) for x in t.tolist()]
 
     def compute_burst(self):
-        """Run one bf16 GEMM (BURST_GEMM) on this rank: the compute a step does between collectives."""
+        """Run one GEMM on this rank, the compute a step does between collectives: BURST_SECONDS
+        long (BURST_GEMM's rows scaled to it on the first call, the slowest rank's timing agreed by
+        every rank so that all run the same burst), in BURST_DTYPE."""
         if not hasattr(self, "_burst"):
-            torch, dev = self.torch, self.device.torch_device
-            m, n, k = BURST_GEMM["cpu" if self.device.kind == "cpu" else "gpu"]
-            self._burst = (torch.ones(m, k, dtype=torch.bfloat16, device=dev), torch.ones(k, n, dtype=torch.bfloat16, device=dev))
+            self._burst = self._sized_burst()
         a, b = self._burst
         self.torch.matmul(a, b)
         self.device.sync()
+
+    def _sized_burst(self) -> tuple:
+        torch, dev = self.torch, self.device.torch_device
+        kind = "cpu" if self.device.kind == "cpu" else "gpu"
+        m, n, k = BURST_GEMM[kind]
+        dt = torch_dtype(torch, BURST_DTYPE[kind])
+        a, b = torch.ones(m, k, dtype=dt, device=dev), torch.ones(k, n, dtype=dt, device=dev)
+        torch.matmul(a, b)  # warm-up
+        self.device.sync()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        self.device.sync()
+        slowest = max(self.gather_values(time.perf_counter() - start))
+        rows = burst_rows(m, slowest, BURST_SECONDS[kind])
+        return torch.ones(rows, k, dtype=dt, device=dev), b
 
     def make(self, point: Point):
         """A no-argument function running the point's collective once on this rank's group."""
