@@ -218,12 +218,16 @@ def cmd_predict(args) -> None:
         result = predict_simulated(model, system, plan, dtype=args.dtype)
     else:
         result = predict(model, system, plan, dtype=args.dtype)
+    from perfsim.uncertainty.predict import uncertainty_of_args
+
+    uncertainty = uncertainty_of_args(args, model, system, plan)  # (JSON object, text) or None
     if args.json:
-        print(json.dumps(result.as_json() | {"engine": args.engine}, indent=2))
+        extra = {"uncertainty": uncertainty[0]} if uncertainty else {}
+        print(json.dumps(result.as_json() | {"engine": args.engine} | extra, indent=2))
     else:
         from perfsim.report import format_prediction
 
-        print(format_prediction(result))
+        print(format_prediction(result) + (f"\n\n{uncertainty[1]}" if uncertainty else ""))
 
 
 def cmd_profiles(args) -> None:
@@ -257,6 +261,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="analytic", choices=("analytic", "sim"),
                    help="step time from the closed form (default) or the event simulation (perfsim simulate)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--uncertainty", action="store_true",
+                   help="also P10/P50/P90 over draws of the profile's ranges, conditioned on its observations "
+                        "(docs/profile-format.md, Ranges)")
+    p.add_argument("--samples", type=whole_number(16, 65536), help="draws for --uncertainty (default 512)")
     p.set_defaults(run=cmd_predict)
     prof = sub.add_parser("profiles", help="list system profiles and model presets")
     prof.add_argument("--json", action="store_true")

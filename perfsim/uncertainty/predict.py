@@ -1,0 +1,65 @@
+"""`perfsim predict --uncertainty`: one plan's prediction under every draw of the profile's
+ranges (conditioned on its observations where it names any), as P10 / P50 / P90."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfsim.cost.columns import columns_of
+from perfsim.uncertainty.posterior import profile_draws
+from perfsim.uncertainty.sampling import DEFAULT_SAMPLES, evaluate_draws
+
+PERCENTILES = (("p10", 10), ("p50", 50), ("p90", 90))
+
+
+def percentiles(values) -> dict:
+    values = np.asarray(values, float)
+    return {name: float(np.percentile(values, q)) for name, q in PERCENTILES}
+
+
+def predict_uncertainty(model, system, plan, samples: int = DEFAULT_SAMPLES, dtype: str = "bf16",
+                        seed: int = 0) -> tuple[dict, str]:
+    """(the `uncertainty` object of predict --json, a note on what the observations could not
+    explain or '')."""
+    draws, posterior = profile_draws(system, samples, seed)
+    r = evaluate_draws(model, draws, columns_of(plan), dtype)
+    summary = {"samples": int(draws.n), "step_time_s": percentiles(r["step_time_s"]),
+               "tokens_per_s": percentiles(r["tokens_per_s"]),
+               "memory_total_bytes": percentiles(r["memory_bytes"]["total"]),
+               "time_breakdown_s": {part: percentiles(v) for part, v in r["time_breakdown_s"].items()}}
+    return summary, posterior.unexplained_text() if posterior is not None else ""
+
+
+def uncertainty_lines(summary: dict, conditioned: bool) -> str:
+    """The text predict prints below its table."""
+    def span(q, fmt):
+        return f"{fmt(q['p10'])} .. {fmt(q['p50'])} .. {fmt(q['p90'])}"
+
+    what = "posterior conditioned on the profile's observations" if conditioned else "the profile's ranges"
+    lines = [f"uncertainty (P10 .. P50 .. P90 over {summary['samples']} draws of {what})",
+             f"  step time    {span(summary['step_time_s'], lambda v: f'{v:.3g} s')}",
+             f"  throughput   {span(summary['tokens_per_s'], lambda v: f'{v:,.0f}')} tokens/s",
+             f"  memory       {span(summary['memory_total_bytes'], lambda v: f'{v / 1e9:.1f} GB')}"]
+    for part, q in summary["time_breakdown_s"].items():
+        if q["p90"] > 0:
+            lines.append(f"  {part:<12} {span(q, lambda v: f'{v:.3g} s')}")
+    return "\n".join(lines)
+
+
+def uncertainty_of_args(args, model, system, plan):
+    """For `perfsim predict`: (the JSON object, the text) when --uncertainty is given, else None;
+    what the observations cannot explain goes to stderr as a note."""
+    import sys
+
+    from perfsim.errors import PerfsimError
+
+    if not args.uncertainty:
+        if args.samples is not None:
+            raise PerfsimError("--samples counts the draws of --uncertainty; give --uncertainty too")
+        return None
+    if args.engine != "analytic":
+        raise PerfsimError("--uncertainty prices its draws with the closed form; leave out --engine sim")
+    summary, note = predict_uncertainty(model, system, plan, args.samples or DEFAULT_SAMPLES, args.dtype)
+    if note:
+        print(f"perfsim: note: {note}", file=sys.stderr)
+    return summary, uncertainty_lines(summary, bool(system.observations))
