@@ -98,19 +98,27 @@ def test_a_machine_the_curve_cannot_describe_is_predicted_from_its_table():
     assert table.held_mape < curve.held_mape / 3
 
 
+def _amx_records(truth):
+    records = synthetic_records(truth)
+    for r in records:
+        if r["suite"] == "gemm":
+            r["stats"]["median_s"] *= float(_amx_like(r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]))
+    return records
+
+
 def test_the_calibrated_profile_carries_its_tables_and_predictions_use_them(tmp_path):
     base, truth = _truth()
-    calibration = cal.fit(synthetic_records(truth), base, "synthetic.jsonl")
-    assert {(t.kernel, t.dtype) for t in calibration.tables} >= {("gemm", "fp32"), ("gemm", "bf16"), ("layernorm", "fp32")}
+    calibration = cal.fit(_amx_records(truth), base, "synthetic.jsonl")
+    assert {(t.kernel, t.dtype) for t in calibration.tables} >= {("gemm", "fp32"), ("gemm", "bf16")}
     path = tmp_path / "with-tables.toml"
     path.write_text(cal.calibrated_profile(base.path, calibration, "synthetic.jsonl", "with-tables", "test"))
     system = load_system(str(path))
-    loaded = {(t.kernel, t.dtype): t for t in system.device.measured}
+    loaded = {(t.kernel, t.dtype): t for t in system.device.measured + system.collectives.measured}
     for t in calibration.tables:
         assert loaded[(t.kernel, t.dtype)].width == t.width
         np.testing.assert_allclose(loaded[(t.kernel, t.dtype)].seconds, t.seconds, rtol=1e-5)
     assert system.provenance["device.measured.gemm.bf16"][0] == "measured"
-    held = [r for r in synthetic_records(truth) if r["suite"] == "gemm" and r["dtype"] == "bf16" and cal.held_out(r)]
+    held = [r for r in _amx_records(truth) if r["suite"] == "gemm" and r["dtype"] == "bf16" and cal.held_out(r)]
     assert not any(p[1:4] == (r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]) for r in held
                    for p in loaded[("gemm", "bf16")].points)  # held-out points stay out of the table
     plan = Plan(tp=2, mbs=1, gbs=2)
@@ -122,7 +130,7 @@ def test_the_calibrated_profile_carries_its_tables_and_predictions_use_them(tmp_
     assert 0.0 <= with_tables.compute_extrapolated_share < 1.0
     assert with_tables.as_json()["compute_extrapolated_share"] == with_tables.compute_extrapolated_share
     # recalibrating from a profile with tables starts from its curves alone
-    again = cal.fit(synthetic_records(truth), system, "synthetic.jsonl")
+    again = cal.fit(_amx_records(truth), system, "synthetic.jsonl")
     assert [t.points for t in again.tables] == [t.points for t in calibration.tables]
 
 
@@ -186,3 +194,51 @@ def test_leave_one_out_chooses_a_width_and_never_sees_the_point_it_predicts():
     # a lone point predicted from nothing else is the curve: its error is the machine's own deviation
     lone = measured.KernelTable("gemm", "bf16", table.points[:1], 0.5)
     assert measured.leave_one_out_error(lone, at[:1]) == pytest.approx(abs(1 - float(_amx_like(64, 64, 64))))
+
+
+def test_no_table_where_the_curve_predicts_the_points_better_than_they_predict_each_other():
+    """Points scattered at random around the curve (noise, no structure): interpolating them
+    predicts each from its neighbours' noise, worse than the curve; calibration keeps no table."""
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    rng = np.random.default_rng(3)
+    shapes = list(itertools.product(DIMS, repeat=3))
+    noisy = dict(zip(shapes, np.exp(rng.normal(0, 0.2, len(shapes)))))
+    table = _gemm_table(system.device, peak, shapes, speed=lambda m, n, k: noisy[(m, n, k)])
+    at = gemm_curve_time(system.device, peak, *table.coordinates_linear())
+    assert measured.best_width(table, at) is None
+
+
+def test_collective_tables_correct_the_link_model_at_their_group_and_leave_other_groups_alone(tmp_path):
+    from perfsim.cost.topology import TopologyCommModel, clear_caches
+
+    base, truth = _truth()
+    records = synthetic_records(truth, noise=0.0)
+    for r in records:  # a machine whose all-reduces above 64 KiB take twice the link model's time
+        if r["suite"] == "collective" and r["op"] == "all_reduce" and r["shape"]["nbytes"] > 1 << 16:
+            r["stats"]["median_s"] *= 2
+    for r in records:
+        r["stats"].setdefault("mean_s", r["stats"]["median_s"])
+    calibration = cal.fit(records, base, "coll.jsonl")
+    kinds = {(t.kernel, t.dtype) for t in calibration.tables}
+    assert ("all_reduce", "fp32") in kinds
+    path = tmp_path / "coll.toml"
+    path.write_text(cal.calibrated_profile(base.path, calibration, "coll.jsonl", "coll", "test"))
+    system = for_dtype(load_system(str(path)), "fp32")
+    assert any(t.kernel == "all_reduce" for t in system.collectives.measured)
+    clear_caches()
+    comm = TopologyCommModel(system)
+    plain = TopologyCommModel(dataclasses.replace(system, collectives=dataclasses.replace(system.collectives, measured=())))
+    machine = TopologyCommModel(truth)
+    big, small = float(1 << 24), float(1 << 11)
+    assert float(comm.all_reduce(big, 2, 1)) == pytest.approx(2 * float(machine.all_reduce(big, 2, 1)), rel=0.05)
+    assert float(comm.all_reduce(small, 2, 1)) == pytest.approx(float(machine.all_reduce(small, 2, 1)), rel=0.05)
+    # the link model alone cannot follow a step in one operation's speed: the table does
+    sizes = [float(1 << e) for e in range(10, 27)]
+    truth_times = [float(machine.all_reduce(n, 2, 1)) * (2 if n > 1 << 16 else 1) for n in sizes]
+    error = lambda model: np.mean([abs(float(model.all_reduce(n, 2, 1)) / t - 1) for n, t in zip(sizes, truth_times)])  # noqa: E731
+    assert error(comm) < 0.05 < error(plain)
+    # a group of 8 ranks was never measured: 2 octaves from every point, mostly the model
+    assert float(comm.all_reduce(big, 8, 1)) == pytest.approx(float(plain.all_reduce(big, 8, 1)), rel=0.05)
+    arrays = comm.all_reduce(np.array([big, small, big]), np.array([2, 2, 1]), np.array([1, 1, 1]))
+    np.testing.assert_allclose(arrays, [float(comm.all_reduce(big, 2, 1)), float(comm.all_reduce(small, 2, 1)), 0.0])

@@ -45,7 +45,8 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
             usable.append({**r, "_t": float(t)})
     if not usable:
         raise PerfsimError(f"ledger {ledger_name} has no usable measurements to fit")
-    base = dataclasses.replace(base, device=dataclasses.replace(base.device, measured=()))  # tables of another ledger
+    base = dataclasses.replace(base, device=dataclasses.replace(base.device, measured=()),  # tables of another ledger
+                               collectives=dataclasses.replace(base.collectives, measured=()))
     cpu_clocked = sum(1 for r in usable if clock == "auto" and isinstance(r.get("cpu_stats"), dict))
     what = ("the mean of each compute point's repetitions, the min of each collective's (plus the "
             "step overhead)" if statistic == "expected" else f"the {statistic} of each point's repetitions")
@@ -71,6 +72,7 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     usable = _prefer_records(usable, "collective", "timing", COLLECTIVE_TIMINGS, notes,
                              lambda t, rest: f"collectives fitted on their {t or 'barrier'}-timed points (the ledger "
                              f"also has {', '.join(sorted(x or 'barrier' for x in rest))}-timed ones)")
+    timed = usable  # every dtype's collectives, for the measured tables
     usable = _prefer_records(usable, "collective", "dtype", (TRAINING_DTYPE,), notes,
                              lambda t, rest: f"collectives fitted on their {t} measurements (the ledger also has "
                              f"{', '.join(sorted(rest))}; a training step sends {t})")
@@ -80,10 +82,11 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values.update(v), notes.extend(n)
     system = with_values(system, v)
     quality.extend(check_attention(usable, system))
-    tables, q, n = measured_tables(usable, system, ledger_name)
+    device_tables, collective_tables, q, n = measured_tables(timed, system, ledger_name, statistic == "expected")
     quality.extend(q), notes.extend(n)
-    system = dataclasses.replace(system, device=dataclasses.replace(system.device, measured=tables))
-    return Calibration(values, quality, notes, system, tables)
+    system = dataclasses.replace(system, device=dataclasses.replace(system.device, measured=device_tables),
+                                 collectives=dataclasses.replace(system.collectives, measured=collective_tables))
+    return Calibration(values, quality, notes, system, device_tables + collective_tables)
 
 
 def _prefer_records(usable: list, suite: str, field: str, order: tuple, notes: list, say) -> list:

@@ -10,6 +10,7 @@ import os
 from perfsim.calibrate.common import Calibration
 from perfsim.calibrate.report import format_quality_row
 from perfsim.calibrate.tables import table_toml
+from perfsim.spec.system import OPERATIONS
 
 
 # --- the calibrated profile ---
@@ -83,11 +84,11 @@ def calibrated_profile(base_path: str, calibration: Calibration, ledger: str, na
             table, item = item.split(".")
             where = where.setdefault(table, {})
         where[item] = {"value": float(f"{fitted.value:.6g}"), "provenance": "calibrated", "source": fitted.source}
-    data["device"].pop("measured", None)  # the base profile's tables measured another machine
-    if calibration.tables:
-        measured = data["device"]["measured"] = {}
-        for table in calibration.tables:
-            measured.setdefault(table.kernel, {})[table.dtype] = table_toml(table, ledger)
+    for section in ("device", "collectives"):
+        data[section].pop("measured", None)  # the base profile's tables measured another machine
+    for table in calibration.tables:
+        section = "collectives" if table.kernel in OPERATIONS else "device"
+        data[section].setdefault("measured", {}).setdefault(table.kernel, {})[table.dtype] = table_toml(table, ledger)
     parse_system(data, f"calibrated profile from {ledger}")  # refuse to write a profile perfsim cannot load
     header = [f"Calibrated by `perfsim calibrate` from ledger {ledger} on "
               f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; base profile "

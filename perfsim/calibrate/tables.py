@@ -1,4 +1,4 @@
-"""Measured kernel tables: every GEMM and element-wise kernel the ledger timed, kept in the profile
+"""Measured kernel tables: every GEMM, element-wise kernel and collective the ledger timed, kept in the profile
 (perfsim.cost.measured) so that predictions interpolate the measurements and use the fitted curves
 only where nothing near was measured.
 
@@ -42,15 +42,25 @@ def _memory_curve(system, name: str):
     return curve
 
 
-def _table(kernel: str, dtype: str, fit: list, columns, curve):
+def _collective_curve(system, op: str):
+    """seconds(size, stride, bytes) of the fitted link model (and step overheads) for `op`."""
+    from perfsim.cost.topology import TopologyCommModel, clear_caches
+
+    clear_caches()
+    comm = TopologyCommModel(system)
+    return lambda size, stride, nbytes: np.array(  # noqa: E731
+        [float(getattr(comm, op)(float(n), int(g), int(s))) for g, s, n in zip(size, stride, nbytes)])
+
+
+def _table(kernel: str, dtype: str, fit: list, columns, curve, times):
     """The KernelTable of the fitted records, at its leave-one-out width, and its curve at the points."""
-    points = tuple(tuple(float(c) for c in columns(r)) + (float(t),) for r, t in zip(fit, measured_times(fit)))
+    points = tuple(tuple(float(c) for c in columns(r)) + (float(t),) for r, t in zip(fit, times(fit)))
     table = measured.KernelTable(kernel, dtype, points)
     at_points = curve(*table.coordinates_linear())
-    return measured.best_width(table, at_points), at_points
+    return measured.best_width(table, at_points), table, at_points
 
 
-def _quality(name: str, table, at_points, held: list, columns, curve) -> Quality:
+def _quality(name: str, table, at_points, held: list, columns, curve, times) -> Quality:
     """Leave-one-out MAPE on the fitted points, and held-out MAPE of the table beside the curve's."""
     loo = measured.leave_one_out_error(table, at_points)
     if not held:
@@ -58,44 +68,71 @@ def _quality(name: str, table, at_points, held: list, columns, curve) -> Quality
     coords = [np.array([columns(r)[i] for r in held], float) for i in range(len(columns(held[0])))]
     alone = curve(*coords)
     factor, share = measured.correction(table, coords, at_points)
-    t = measured_times(held)
+    t = times(held)
     return Quality(name, loo, len(table.points), mape(alone * factor, t), len(held),
                    note=f"curve alone {100 * mape(alone, t):.1f}%; width {table.width:g} octaves, "
                         f"{100 * float(np.mean(share)):.0f}% of the held-out time on the curve")
 
 
-def measured_tables(records: list, system, ledger: str) -> tuple:
-    """(KernelTables, quality rows, notes) from the ledger's GEMM and element-wise records, against
-    the calibrated `system`'s curves. Leave-one-out MAPE is reported as the rows' "fit" figure."""
-    from perfsim.spec.system import MEMORY_OPERATIONS
+def _collective_times(records: list) -> np.ndarray:
+    """What a step pays per call of each collective point: the mean of its repetitions (the link
+    model is fitted on the fastest, and the mean's excess is its step overhead)."""
+    return np.array([r["stats"].get("mean_s", r["_t"]) for r in records], float)
+
+
+def measured_tables(records: list, system, ledger: str, expected: bool = True) -> tuple:
+    """(device tables, collective tables, quality rows, notes) from the ledger's GEMM, element-wise
+    and collective records, against the calibrated `system`'s curves. Leave-one-out MAPE is the
+    rows' "fit" figure. `expected`: collectives are tabled at each point's mean (what a step pays),
+    else at the statistic the fit used."""
+    from perfsim.spec.system import MEMORY_OPERATIONS, OPERATIONS
 
     device = dataclasses.replace(system.device, measured=(), kernel_dtype="")
-    system = dataclasses.replace(system, device=device)
-    tables, quality = [], []
+    system = dataclasses.replace(system, device=device, collectives=dataclasses.replace(system.collectives, measured=()))
+    device_tables, collective_tables, quality, dropped = [], [], [], []
     gemm_columns = lambda r: [r["shape"].get("count", 1), r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]]  # noqa: E731
     memory_columns = lambda r: [r["nbytes"]]  # noqa: E731
-    kernels = [(measured.GEMM, "gemm", gemm_columns)] + [(name, "memory", memory_columns) for name in MEMORY_OPERATIONS]
+    group_columns = lambda r: [r["group"][0], max(1, r["group"][1]), r["shape"]["nbytes"]]  # noqa: E731
+    kernels = ([(measured.GEMM, "gemm", gemm_columns)] + [(name, "memory", memory_columns) for name in MEMORY_OPERATIONS]
+               + [(op, "collective", group_columns) for op in OPERATIONS])
     for kernel, suite, columns in kernels:
         ops = None if suite == "gemm" else (kernel,)
         fit_all, held_all = split_held_out(records, suite, ops)
+        if suite == "collective":
+            fit_all, held_all = ([r for r in rs if r.get("group") and r["group"][0] > 1] for rs in (fit_all, held_all))
+        times = _collective_times if suite == "collective" and expected else measured_times
         for dtype in sorted({r["dtype"] for r in fit_all}):
             fit = [r for r in fit_all if r["dtype"] == dtype]
             held = [r for r in held_all if r["dtype"] == dtype]
-            curve = _gemm_curve(system, dtype) if suite == "gemm" else _memory_curve(system, kernel)
+            curve = (_gemm_curve(system, dtype) if suite == "gemm" else _memory_curve(system, kernel)
+                     if suite == "memory" else _collective_curve(system, kernel))
             if curve is None or len(fit) < 2:
                 continue
-            table, at_points = _table(kernel, dtype, fit, columns, curve)
-            tables.append(table)
-            quality.append(_quality(f"table {kernel} {dtype} (fit: leave-one-out)", table, at_points, held, columns, curve))
+            table, points, at_points = _table(kernel, dtype, fit, columns, curve, times)
+            if table is None:  # the fitted model predicts the points better than they predict each other
+                curve_error = mape(at_points, points.seconds)
+                dropped.append(f"{kernel} {dtype} (model {100 * curve_error:.1f}%, table at best "
+                               f"{100 * min(measured.leave_one_out_error(dataclasses.replace(points, width=w), at_points) for w in measured.WIDTHS):.1f}%)")
+                continue
+            (collective_tables if suite == "collective" else device_tables).append(table)
+            quality.append(_quality(f"table {kernel} {dtype} (fit: leave-one-out)", table, at_points, held, columns,
+                                    curve, times))
+    tables = device_tables + collective_tables
     notes = [f"measured tables: {len(tables)} kernels x dtypes, {sum(len(t.points) for t in tables)} points of ledger "
-             f"{ledger}; predictions interpolate them in log2 of each shape coordinate and rest on the fitted curves "
-             f"only far from every point (perfsim.cost.measured)"] if tables else []
-    return tuple(tables), quality, notes
+             f"{ledger}; predictions interpolate them in log2 of each coordinate (shape, bytes, group size and "
+             f"stride) and rest on the fitted models only far from every point (perfsim.cost.measured); collectives "
+             f"at each point's mean, what a step pays per call"] if tables else []
+    if dropped:
+        notes.append("no table where the fitted model predicts the fitted points better than leave-one-out "
+                     "interpolation does: " + ", ".join(dropped))
+    return tuple(device_tables), tuple(collective_tables), quality, notes
 
 
 def table_toml(table, ledger: str) -> dict:
-    """One table as the profile's [device.measured.<kernel>.<dtype>] holds it."""
-    columns = measured.GEMM_COLUMNS if table.kernel == measured.GEMM else measured.MEMORY_COLUMNS
+    """One table as the profile's [device.measured.<kernel>.<dtype>] (or [collectives.measured...])
+    holds it."""
+    columns = (measured.COLLECTIVE_COLUMNS if len(table.points[0]) == len(measured.COLLECTIVE_COLUMNS)
+               else measured.GEMM_COLUMNS if table.kernel == measured.GEMM else measured.MEMORY_COLUMNS)
     return {"provenance": "measured",
             "source": f"{len(table.points)} points of ledger {ledger} (held-out points left out; width chosen by "
                       f"leave-one-out)",

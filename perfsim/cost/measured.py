@@ -1,7 +1,8 @@
 """Measured kernel tables: what calibration timed, interpolated in log space (docs/equations.md 3.10).
 
 A calibrated profile carries the kernels it measured ([device.measured.<kernel>.<dtype>]): GEMMs by
-(count, m, n, k), each element-wise kernel forward and backward by bytes. A prediction keeps the
+(count, m, n, k), each element-wise kernel forward and backward by bytes; and its collectives
+([collectives.measured.<op>.<dtype>]) by group size, stride and bytes. A prediction keeps the
 parametric curve (the GEMM efficiency model, the streaming model) and corrects it by the measured
 points near the shape asked for: the log ratio measured / curve of every point, averaged with
 Gaussian weights over the distance in octaves (log2 of each coordinate), and shrunk towards the
@@ -24,6 +25,7 @@ import numpy as np
 GEMM = "gemm"
 GEMM_COLUMNS = ("count", "m", "n", "k", "seconds")
 MEMORY_COLUMNS = ("bytes", "seconds")
+COLLECTIVE_COLUMNS = ("size", "stride", "bytes", "seconds")
 PRIOR_OCTAVES = 1.5  # beyond about this distance from every measured point the curve takes over
 WIDTHS = (0.35, 0.5, 0.7, 1.0)  # Gaussian widths (octaves) calibration chooses from, by leave-one-out
 
@@ -99,8 +101,13 @@ def leave_one_out_error(table: KernelTable, curve_at_points) -> float:
     return float(np.mean(np.abs(predicted - table.seconds) / table.seconds))
 
 
-def best_width(table: KernelTable, curve_at_points) -> KernelTable:
-    """`table` with the width of WIDTHS that predicts its points best from the others."""
+def best_width(table: KernelTable, curve_at_points) -> KernelTable | None:
+    """`table` with the width of WIDTHS that predicts its points best from the others; None when
+    the curve alone predicts them better (points too noisy, or too sparse, to interpolate)."""
     errors = {w: leave_one_out_error(KernelTable(table.kernel, table.dtype, table.points, w), curve_at_points)
               for w in WIDTHS}
-    return KernelTable(table.kernel, table.dtype, table.points, min(errors, key=errors.get))
+    width = min(errors, key=errors.get)
+    curve_error = float(np.mean(np.abs(np.asarray(curve_at_points, float) - table.seconds) / table.seconds))
+    if curve_error <= errors[width]:
+        return None
+    return KernelTable(table.kernel, table.dtype, table.points, width)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from perfsim.cost import measured
 from perfsim.spec.system import ALGORITHMS, OPERATIONS, System
 
 CARD, NODE, NETWORK, HOST = "card", "node", "network", "host"
@@ -324,6 +325,7 @@ class TopologyCommModel:
         self._op_line_cache = (_LINES.setdefault(machine + efficiencies + (self.algorithm_rule, factors), {})
                                if factors else None)
         self._groupings: dict = {}
+        self._table_points: dict = {}  # (op, dtype) -> the model's seconds at a measured table's points
 
     # --- routing on the two-node graph: node 0 is studied, node 1 stands for "another node" ---
     def _graph(self):
@@ -756,6 +758,23 @@ class TopologyCommModel:
         self._groupings[key] = refs + (pairs, inverse, size_b.shape)
         return pairs, inverse, size_b.shape
 
+    def _measured(self, op: str, times, nbytes, size, stride):
+        """`times` of `op` corrected by the profile's measured table of the prediction's dtype
+        (perfsim.cost.measured: near a measured (group size, stride, bytes) the measurement, far
+        from all the link model); `times` itself without one."""
+        table = measured.find_table(self.system.collectives.measured, op, self.system.device.kernel_dtype)
+        if table is None:
+            return times
+        at_points = self._table_points.get((op, table.dtype))
+        if at_points is None:  # the link model at the table's own points, once per model
+            at_points = self._table_points[(op, table.dtype)] = np.array(
+                [float(self._each_shape(lambda gi, si: self._op_lines(op, gi, si), ni, int(gi), int(si)))
+                 for gi, si, ni in zip(*table.coordinates_linear())])
+        size_b, stride_b, bytes_b = np.broadcast_arrays(np.asarray(size, float), np.maximum(np.asarray(stride, float), 1),
+                                                        np.asarray(nbytes, float))
+        factor, _ = measured.correction(table, [np.maximum(size_b, 1), stride_b, np.maximum(bytes_b, 1)], at_points)
+        return times * np.where(size_b > 1, factor, 1.0)  # a group of one sends nothing
+
     def link(self, size, stride):
         """(bandwidth in bytes/s, latency in s) of one step of the flat ring, all groups busy
         (efficiency applied; infinite bandwidth and zero latency for a group of one)."""
@@ -764,26 +783,32 @@ class TopologyCommModel:
         return bw, lat
 
     def all_reduce(self, nbytes, size, stride):
-        return self._each_shape(lambda g, s: self._op_lines(ALL_REDUCE, g, s), nbytes, size, stride)
+        return self._measured(ALL_REDUCE, self._each_shape(lambda g, s: self._op_lines(ALL_REDUCE, g, s), nbytes, size, stride),
+                             nbytes, size, stride)
 
     def all_gather(self, nbytes, size, stride):
         """n is the full (gathered) tensor's bytes."""
-        return self._each_shape(lambda g, s: self._op_lines(ALL_GATHER, g, s), nbytes, size, stride)
+        return self._measured(ALL_GATHER, self._each_shape(lambda g, s: self._op_lines(ALL_GATHER, g, s), nbytes, size, stride),
+                             nbytes, size, stride)
 
     def reduce_scatter(self, nbytes, size, stride):
         """n is the full (unscattered) tensor's bytes; the all-gather's algorithms, run the other way."""
-        return self._each_shape(lambda g, s: self._op_lines(REDUCE_SCATTER, g, s), nbytes, size, stride)
+        return self._measured(REDUCE_SCATTER, self._each_shape(lambda g, s: self._op_lines(REDUCE_SCATTER, g, s), nbytes, size, stride),
+                             nbytes, size, stride)
 
     def broadcast(self, nbytes, size, stride):
         """Broadcast (or reduce) from one member: the pipelined chain in rank order,
         n / B + (g-1) alpha, or the pipelined double binary tree (docs/topology.md section 4)."""
-        return self._each_shape(lambda g, s: self._op_lines(BROADCAST, g, s), nbytes, size, stride)
+        return self._measured(BROADCAST, self._each_shape(lambda g, s: self._op_lines(BROADCAST, g, s), nbytes, size, stride),
+                             nbytes, size, stride)
 
     def reduce(self, nbytes, size, stride):
         """Reduce to one member: the broadcast's flows, reversed (links are full duplex and symmetric)."""
-        return self._each_shape(lambda g, s: self._op_lines(REDUCE, g, s), nbytes, size, stride)
+        return self._measured(REDUCE, self._each_shape(lambda g, s: self._op_lines(REDUCE, g, s), nbytes, size, stride),
+                             nbytes, size, stride)
 
     def send(self, nbytes, size, stride):
         """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart
         (pipeline stages), all chains sending at once: n / B + alpha of the slowest hop."""
-        return self._each_shape(lambda g, s: self._op_lines(SEND, g, s), nbytes, size, stride)
+        return self._measured(SEND, self._each_shape(lambda g, s: self._op_lines(SEND, g, s), nbytes, size, stride),
+                             nbytes, size, stride)

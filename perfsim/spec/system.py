@@ -126,6 +126,9 @@ class Collectives:
     # model gives (the fastest repetition): on a CPU rank, gloo's threads waking after compute
     # (docs/topology.md section 4, "Step overhead"). Added to every call; an op left out gets 0.
     operation_step_overhead_s: tuple = ()
+    # Optional measured tables ([collectives.measured.<op>.<dtype>], perfsim.cost.measured): each
+    # operation's calls by group size, stride and bytes, correcting the link model near them
+    measured: tuple = ()
 
     def operation_factors(self, op: str) -> tuple[float, float, float]:
         """(efficiency, latency factor, step overhead in s) of one operation; (1, 1, 0) when the
@@ -217,7 +220,7 @@ def _section_keys(section: str) -> tuple:
     """Every key [section] may hold, required or optional (anything else is an error)."""
     tables = tuple(key.split(".")[1] for key in _OPERATION_TABLES if key.startswith(section + "."))
     return (_STRINGS.get(section, ()) + tuple(_CHOICES.get(section, {})) + tuple(_RULES[section])
-            + tuple(_OPTIONAL.get(section, {})) + tables + (("measured",) if section == "device" else ()))
+            + tuple(_OPTIONAL.get(section, {})) + tables + (("measured",) if section in _MEASURED_KERNELS else ()))
 
 
 _TABLE_PARTS = ("provenance", "source", "width_octaves", "columns", "points")
@@ -225,23 +228,29 @@ TABLE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 MOST_TABLE_POINTS = 100_000  # a table is interpolated point by point: more is a mistake, not a measurement
 
 
-def _measured_tables(where: str, raw, provenance: dict) -> tuple:
-    """[device.measured.<kernel>.<dtype>] tables as KernelTables (perfsim.cost.measured), in file
-    order; every problem names the table."""
-    from perfsim.cost.measured import GEMM, GEMM_COLUMNS, MEMORY_COLUMNS, KernelTable
+# what [<section>.measured.<kernel>.<dtype>] tables a section may hold: kernel names (None: GEMM and
+# the element-wise kernels, spelt out in _measured_tables to keep this module free of cost imports)
+_MEASURED_KERNELS = {"device": None, "collectives": OPERATIONS}
 
-    kernels = (GEMM,) + MEMORY_OPERATIONS
+
+def _measured_tables(where: str, raw, provenance: dict, section: str = "device") -> tuple:
+    """[<section>.measured.<kernel>.<dtype>] tables as KernelTables (perfsim.cost.measured), in
+    file order; every problem names the table. Device tables hold GEMMs and element-wise kernels,
+    collectives tables the operations (by group size, stride and bytes)."""
+    from perfsim.cost.measured import COLLECTIVE_COLUMNS, GEMM, GEMM_COLUMNS, MEMORY_COLUMNS, KernelTable
+
+    kernels = _MEASURED_KERNELS[section] or (GEMM,) + MEMORY_OPERATIONS
     if not isinstance(raw, dict):
-        raise PerfsimError(f"{where}: device.measured must hold tables [device.measured.<kernel>.<dtype>]")
+        raise PerfsimError(f"{where}: {section}.measured must hold tables [{section}.measured.<kernel>.<dtype>]")
     tables = []
     for kernel, by_dtype in raw.items():
         if kernel not in kernels:
-            raise PerfsimError(f"{where}: unknown kernel device.measured.{kernel}{did_you_mean(kernel, kernels)}; "
+            raise PerfsimError(f"{where}: unknown kernel {section}.measured.{kernel}{did_you_mean(kernel, kernels)}; "
                                f"one of {', '.join(kernels)}")
         if not isinstance(by_dtype, dict):
-            raise PerfsimError(f"{where}: device.measured.{kernel} must hold one table per dtype ({', '.join(TABLE_DTYPES)})")
+            raise PerfsimError(f"{where}: {section}.measured.{kernel} must hold one table per dtype ({', '.join(TABLE_DTYPES)})")
         for dtype, table in by_dtype.items():
-            key = f"device.measured.{kernel}.{dtype}"
+            key = f"{section}.measured.{kernel}.{dtype}"
             if dtype not in TABLE_DTYPES:
                 raise PerfsimError(f"{where}: unknown dtype {key}{did_you_mean(dtype, TABLE_DTYPES)}; one of {', '.join(TABLE_DTYPES)}")
             if not isinstance(table, dict):
@@ -256,7 +265,8 @@ def _measured_tables(where: str, raw, provenance: dict) -> tuple:
                 raise PerfsimError(f"{where}: {key}.source must say where the measurements come from")
             width = _number(where, f"{key}.width_octaves",
                             {"value": table["width_octaves"], "provenance": "measured", "source": "-"}, _POSITIVE)
-            columns = list(GEMM_COLUMNS if kernel == GEMM else MEMORY_COLUMNS)
+            columns = list(COLLECTIVE_COLUMNS if section == "collectives" else GEMM_COLUMNS if kernel == GEMM
+                           else MEMORY_COLUMNS)
             if table["columns"] != columns:
                 raise PerfsimError(f"{where}: {key}.columns must be {columns}, got {table['columns']!r}")
             points = table["points"]
@@ -274,8 +284,9 @@ def _measured_tables(where: str, raw, provenance: dict) -> tuple:
 
 
 def for_dtype(system, dtype: str):
-    """`system` whose device applies its measured tables of `dtype` (the same system when it has none)."""
-    if not system.device.measured or system.device.kernel_dtype == dtype:
+    """`system` whose device applies its measured tables of `dtype`, its kernels' and its
+    collectives' (the same system when it has none)."""
+    if not (system.device.measured or system.collectives.measured) or system.device.kernel_dtype == dtype:
         return system
     return replace(system, device=replace(system.device, kernel_dtype=dtype))
 
@@ -381,8 +392,8 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
             if key in raw:
                 values[key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
-        if section == "device" and "measured" in raw:
-            values["measured"] = _measured_tables(where, raw["measured"], provenance)
+        if section in _MEASURED_KERNELS and "measured" in raw:
+            values["measured"] = _measured_tables(where, raw["measured"], provenance, section)
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")

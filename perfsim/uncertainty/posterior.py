@@ -154,3 +154,40 @@ def _cache_file(inputs: tuple) -> str:
             digest.update(fh.read())
     folder = os.environ.get("PERFSIM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "perfsim")
     return os.path.join(folder, f"posterior-{digest.hexdigest()[:32]}.npz")
+
+
+def _weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs=(10, 50, 90)) -> list:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return [float(values[order][min(np.searchsorted(cumulative, q / 100), len(values) - 1)]) for q in qs]
+
+
+def posterior_markdown(posterior: Posterior) -> str:
+    """The tables of docs/validation.md: each observation under the prior and the posterior, and
+    each uncertain number's (and cause's) P10-P90 before and after conditioning."""
+    prior, w = posterior.prior, posterior.weights
+    flat = np.full(prior.n, 1 / prior.n)
+    out = [f"{prior.n} prior draws, {posterior.effective_draws:.0f} effective after conditioning. "
+           + (posterior.unexplained_text() or "Every observation is explained within 2 tolerances."), "",
+           "| observation | value +- tolerance | prior P10 / P50 / P90 | posterior P10 / P50 / P90 |", "|---|---|---|---|"]
+    for obs in posterior.observations:
+        v = posterior.predicted[obs.name]
+        out.append(f"| {obs.name} ({obs.quantity}) | {obs.value:g} +- {obs.tolerance:g} | "
+                   + " / ".join(f"{x:.3g}" for x in _weighted_percentiles(v, flat)) + " | "
+                   + " / ".join(f"{x:.3g}" for x in _weighted_percentiles(v, w)) + " |")
+    out += ["", "| number | prior P10 - P90 | posterior P10 / P50 / P90 |", "|---|---|---|"]
+    columns = {key: prior.values[:, j] for j, key in enumerate(prior.keys)} | prior.factors
+    for key, v in columns.items():
+        p = _weighted_percentiles(v, flat)
+        q = _weighted_percentiles(v, w)
+        if abs(q[2] - q[0]) < 0.7 * abs(p[2] - p[0]) or "causes" in key or key.startswith(("node.node_link", "device.gemm_eff")):
+            out.append(f"| `{key}` | {p[0]:.3g} - {p[2]:.3g} | {q[0]:.3g} / {q[1]:.3g} / {q[2]:.3g} |")
+    out.append("")
+    out.append("Numbers whose spread conditioning leaves above 70% of the prior's are not listed.")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    from perfsim.spec.system import load_system
+
+    print(posterior_markdown(profile_draws(load_system("smng-p2"))[1]))
