@@ -9,7 +9,7 @@ from perfsim.spec.plan import stack_words
 
 
 def register(sub) -> None:
-    from perfsim.cli import _positive, finite_number
+    from perfsim.cli import _positive, finite_number, whole_number
 
     p = sub.add_parser("search", help="find the best parallel plans for a model, system and device count")
     p.add_argument("--model", required=True, help="preset name, key=value spec, or .toml file")
@@ -32,6 +32,10 @@ def register(sub) -> None:
     out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
     out.add_argument("--csv", action="store_true", help="the top plans as CSV")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--robust", action="store_true",
+                   help="rank the point search's best plans again over draws of the profile's ranges (its posterior "
+                        "where it names observations): P(best) and P(within 5%%) per plan (docs/validation.md)")
+    p.add_argument("--samples", type=whole_number(16, 4096), help="draws for --robust (default 256)")
     p.set_defaults(run=run)
 
 
@@ -46,9 +50,20 @@ def run(args) -> None:
     too_many = device_count_problem(devices)
     if too_many:  # before enumerating the plans
         raise PerfsimError(too_many)
-    result = search(model, system, devices, args.gbs, parse_fixes(args.fix), top=args.top, rank=args.rank,
+    if args.samples is not None and not args.robust:
+        raise PerfsimError("--samples counts the draws of --robust; give --robust too")
+    if args.robust and args.rank != "throughput":
+        raise PerfsimError("--robust ranks by step time over the draws; leave out --rank")
+    from perfsim.uncertainty.robust import CANDIDATES
+
+    result = search(model, system, devices, args.gbs, parse_fixes(args.fix),
+                    top=max(args.top, CANDIDATES) if args.robust else args.top, rank=args.rank,
                     dtype=args.dtype, progress=None if args.quiet else stderr_progress)
-    if args.json:
+    if args.robust:
+        from perfsim.uncertainty.robust import print_robust
+
+        print_robust(result, model, system, devices, args)
+    elif args.json:
         print(json.dumps({"evaluated": result.evaluated, "feasible": result.feasible, "candidates": result.candidates,
                           "seconds": result.seconds, "rejected": result.rejected,
                           "plans": [p.as_json() for p in result.plans],

@@ -105,16 +105,16 @@ def _with_numbers(system, numbers: dict):
                                           for section, changes in sections.items()})
 
 
-def group_systems(draws: Draws):
+def group_systems(draws: Draws, repeat: int = 1):
     """(rows, system) per link configuration: the draws that share it, and a system whose link
     numbers are that configuration's and whose device and framework numbers are arrays over the
-    rows."""
+    rows (the array tiled `repeat` times, for `repeat` plans evaluated beside each other)."""
     for g in np.unique(draws.groups):
         rows = np.flatnonzero(draws.groups == g)
         numbers = {}
         for j, key in enumerate(draws.keys):
             column = draws.values[rows, j]
-            numbers[key] = float(column[0]) if key.split(".")[0] in LINK_SECTIONS else column
+            numbers[key] = float(column[0]) if key.split(".")[0] in LINK_SECTIONS else np.tile(column, repeat)
         yield rows, _with_numbers(draws.system, numbers)
 
 
@@ -135,4 +135,28 @@ def evaluate_draws(model, draws: Draws, columns, dtype: str = "bf16") -> dict:
                     target.setdefault(part, np.empty(draws.n))[rows] = _broadcast(v, rows.size)
             elif not isinstance(value, str) and np.asarray(value).dtype.kind in "fiub":
                 out.setdefault(key, np.empty(draws.n))[rows] = _broadcast(value, rows.size)
+    return out
+
+
+def evaluate_plans(model, draws: Draws, plans, dtype: str = "bf16") -> dict:
+    """Step time and peak memory of several plans under every draw, as (plans x draws) arrays.
+    Plans sharing a tensor-parallel mode, rank order and grid axes are priced in one call per link
+    configuration: row (plan i, draw r) of the call is plan i's columns beside draw r's numbers."""
+    from perfsim.cost.columns import columns_of_many
+
+    out = {"step_time_s": np.empty((len(plans), draws.n)), "memory_total_bytes": np.empty((len(plans), draws.n))}
+    families: dict = {}
+    for i, plan in enumerate(plans):
+        families.setdefault((plan.tp_mode, plan.order, plan.tp_axes), []).append(i)
+    for members in families.values():
+        base = columns_of_many([plans[i] for i in members])
+        for rows, system in group_systems(draws, repeat=len(members)):
+            columns = dataclasses.replace(base, **{f.name: np.repeat(getattr(base, f.name), rows.size)
+                                                   for f in dataclasses.fields(base)
+                                                   if isinstance(getattr(base, f.name), np.ndarray)})
+            r = evaluate(model, system, columns, dtype)
+            shape = (len(members), rows.size)
+            out["step_time_s"][np.ix_(members, rows)] = _broadcast(r["step_time_s"], rows.size * len(members)).reshape(shape)
+            out["memory_total_bytes"][np.ix_(members, rows)] = _broadcast(
+                r["memory_bytes"]["total"], rows.size * len(members)).reshape(shape)
     return out
