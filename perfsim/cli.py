@@ -85,6 +85,11 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (1d only)")
     g.add_argument("--pp", type=_positive, help="pipeline stages")
     g.add_argument("--vpp", type=_positive, help="interleaved chunks per device (implies --schedule interleaved)")
+    g.add_argument("--first-stage-layers", dest="first_stage_layers", type=_positive,
+                   help="layers of the first pipeline stage (default: as the others); the layers the first and "
+                        "last stage leave spread evenly over the other stages")
+    g.add_argument("--last-stage-layers", dest="last_stage_layers", type=_positive,
+                   help="layers of the last pipeline stage (default: as the others)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
     g.add_argument("--dp", type=_positive, help="data-parallel size (default: devices / (tp x pp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -109,7 +114,8 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
 
 
 PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
-              "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap")
+              "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap", "first_stage_layers",
+              "last_stage_layers")
 
 
 def is_builtin(args) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from perfsim.predict import Prediction
-from perfsim.spec.plan import stack_words
+from perfsim.spec.plan import split_words, stack_words
 
 
 def _bytes(n: float) -> str:
@@ -22,6 +22,7 @@ def format_prediction(p: Prediction) -> str:
     if plan.tp_mode == "3d" and plan.tp_regather:
         sp = ", re-gathering for backward"
     vpp = f" x{plan.vpp} chunks" if plan.vpp > 1 else ""
+    vpp += f", {split_words(plan)}" if split_words(plan) else ""
     lines = [
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
         f"plan: TP {plan.tp} ({plan.tp_mode}{sp}) x PP {plan.pp} ({plan.schedule}{vpp}) x DP {plan.dp}, "

@@ -28,7 +28,7 @@ from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
 from perfsim.spec.system import System
 
-INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs")
+INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers")
 BOOL_KNOBS = ("sp", "tp_regather", "dp_overlap", "tp_overlap")
 TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS,
               "attention": ATTENTION}
@@ -143,6 +143,27 @@ def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
     return sorted(allowed, key=lambda sv: SCHEDULES[sv[0]] != "1f1b")[:1] if pp == 1 else allowed
 
 
+def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[tuple]:
+    """(first_stage_layers, last_stage_layers) to try: the even split (0, 0), and with three or more
+    stages and no interleaving the first and last stage one layer lighter than the most a stage
+    holds, ceil(L / pp) - 1 each, the rest even over the middle stages where that divides (Llama 3
+    405B's 7 + 14 x 8 + 7 on pp 16), which keeps the embedding and the loss from making them the
+    bottleneck. --fix first_stage_layers / last_stage_layers tries every count it allows (0: as the
+    other stages) with every count of the other end; the splits that do not divide are rejected."""
+    ends = -(-model.layers // pp) - 1
+    rest = model.layers - 2 * ends
+    auto = pp > 2 and vpp == 1 and ends >= 1 and rest % (pp - 2) == 0 and rest // (pp - 2) > ends
+    if "first_stage_layers" not in fixes and "last_stage_layers" not in fixes:
+        return [(0, 0), (ends, ends)] if auto else [(0, 0)]
+
+    def counts(knob):
+        if knob in fixes:
+            return [n for n in range(model.layers + 1) if n in fixes[knob]]
+        return [0, ends] if auto else [0]
+
+    return list(itertools.product(counts("first_stage_layers"), counts("last_stage_layers")))
+
+
 def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode.
     Without data parallelism the ZeRO stage changes nothing (one replica has nothing to shard), so
@@ -160,19 +181,23 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue
             schedules = _schedules(model, pp, fixes)
-            count += len(schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes) * len(kernels)
+            splits = {vpp: _pipeline_splits(model, pp, vpp, fixes) for _, vpp in schedules}
+            count += sum(len(splits[vpp]) for _, vpp in schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes) * len(kernels)
             if count > MOST_CANDIDATES:
                 raise PerfsimError(f"the search space for {devices:,} devices and global batch {gbs:,} holds more than "
                                    f"{MOST_CANDIDATES:,} candidate plans (the most perfsim searches); narrow it with "
                                    "--fix, e.g. --fix tp=1..8 --fix mbs=1..4 --fix zero=1")
             for (schedule, vpp), mbs in itertools.product(schedules, mbs_all):
-                by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs))
+                for first, last in splits[vpp]:
+                    by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs,
+                                                         first, last))
     for mode, rows in by_mode.items():
         head = np.array(rows, dtype=float)
         inner = np.array(list(itertools.product(zeros, recomputes, kernels)), dtype=float).reshape(-1, 3)
         table = np.repeat(head, len(inner), axis=0)
         tail = np.tile(inner, (len(head), 1))
-        cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs"), table.T))
+        cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs",
+                         "first_layers", "last_layers"), table.T))
         cols.update(zero=tail[:, 0], recompute=tail[:, 1], flash=tail[:, 2], gbs=np.full(len(table), float(gbs)),
                     dp_overlap=overlap["dp_overlap"] * (cols["dp"] > 1),
                     tp_overlap=overlap["tp_overlap"] * (cols["sp"] == 1) * (mode == "1d"))
@@ -222,7 +247,14 @@ def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str
         reasons.append((f"{mode}: the grid does not divide hidden or MLP width",
                         (model.hidden % weight_rows != 0) | (model.ffn_size % weight_rows != 0)))
         reasons.append((f"{mode}: the grid does not divide the heads", (model.heads % q != 0) | (model.kv_head_count % q != 0)))
-    reasons.append(("pp x vpp does not divide the layers", model.layers % (pp * vpp) != 0))
+    first, last = cols["first_layers"], cols["last_layers"]
+    others = pp - (first > 0) - (last > 0)
+    rest = model.layers - first - last
+    uneven_misfit = np.where(others == 0, rest != 0, (rest < others) | (rest % np.maximum(others, 1) != 0))
+    reasons.append(("uneven pipeline split: needs pp 2 or more, no interleaving, the other layers even over the "
+                    "other stages", ((first > 0) | (last > 0)) & ((pp < 2) | (vpp > 1) | uneven_misfit)))
+    reasons.append(("pp x vpp does not divide the layers", (model.layers % (pp * vpp) != 0)
+                    & (cols["first_layers"] == 0) & (cols["last_layers"] == 0)))
     reasons.append(("the interleaved schedule needs pp of 2 or more", (cols["schedule"] == INTERLEAVED) & (pp < 2)))
     reasons.append(("global batch not divisible by mbs x dp", gbs % (mbs * dp) != 0))
     micro = gbs // (mbs * dp)
@@ -248,7 +280,8 @@ def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
                 dp=int(cols["dp"][i]), zero=int(cols["zero"][i]), mbs=int(cols["mbs"][i]), gbs=int(cols["gbs"][i]),
                 recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]),
                 attention=ATTENTION[int(cols["flash"][i])], dp_overlap=bool(cols["dp_overlap"][i]),
-                tp_overlap=bool(cols["tp_overlap"][i]))
+                tp_overlap=bool(cols["tp_overlap"][i]),
+                first_stage_layers=int(cols["first_layers"][i]), last_stage_layers=int(cols["last_layers"][i]))
 
 
 def to_columns(mode: str, order: str, cols: dict) -> Columns:
@@ -256,7 +289,8 @@ def to_columns(mode: str, order: str, cols: dict) -> Columns:
     return Columns(tp=cols["tp"], pp=cols["pp"], dp=cols["dp"], vpp=cols["vpp"], mbs=cols["mbs"], gbs=cols["gbs"],
                    sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
                    tp_depth=cols["tp_depth"], regather=cols["regather"], flash=cols["flash"],
-                   dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"], tp_mode=mode, order=order)
+                   dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"],
+                   first_layers=cols["first_layers"], last_layers=cols["last_layers"], tp_mode=mode, order=order)
 
 
 def _score(rank: str, r: dict, capacity: float):

@@ -178,7 +178,8 @@ def test_tp_depth_only_with_2_5d():
 
 
 def test_pipeline_and_interleaving_rules():
-    assert problems(pp=5) == ["pp 5 must divide the 24 layers"]
+    assert problems(pp=5) == ["pp 5 must divide the 24 layers, or the first and last stage need counts of their own "
+                              "(--first-stage-layers, --last-stage-layers)"]
     assert problems(pp=4, vpp=2, schedule="interleaved", gbs=4) == []
     assert problems(pp=4, vpp=4, schedule="interleaved", gbs=4) == ["pp x vpp = 16 must divide the 24 layers"]
     assert problems(pp=4, vpp=2, schedule="1f1b", gbs=4) == ["--vpp 2 needs --schedule interleaved"]

@@ -103,7 +103,8 @@ HARNESS_REVISION = 2
 
 # Plan fields added after ledgers were written, with the value every earlier point ran with: a
 # plan at that value keys as before the field existed, so a ledger's points are still found.
-LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1}
+LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1,
+                     "first_stage_layers": 0, "last_stage_layers": 0}
 
 
 def harness_problems(plan) -> list:

@@ -4,7 +4,7 @@ the page style."""
 from __future__ import annotations
 
 from perfsim.schedule.analytic import BREAKDOWN_KEYS
-from perfsim.spec.plan import stack_words
+from perfsim.spec.plan import split_words, stack_words
 
 GIB = 2.0 ** 30
 
@@ -45,6 +45,8 @@ def plan_label(plan, short: bool = True) -> str:
     if plan.tp_regather:
         mode += " regather"
     schedule = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else "")
+    if split_words(plan):
+        schedule += f" ({split_words(plan)})"
     stack = stack_words(plan)
     if short:
         return (f"TP{plan.tp} {mode} | PP{plan.pp} {schedule} | DP{plan.dp} | ZeRO-{plan.zero} | "

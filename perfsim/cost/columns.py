@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from perfsim.cost.collectives import group_strides
-from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan
+from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, stage_layers
 
 NONE, SELECTIVE, FULL = (RECOMPUTE.index(r) for r in ("none", "selective", "full"))
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
@@ -37,6 +37,8 @@ class Columns:
     dp_overlap: object = 0  # 1: data-parallel reductions and gathers overlap compute, bucket by bucket
     tp_overlap: object = 0  # 1: 1d + SP collectives pipelined with their GEMMs, in chunks
     fp8: int = 0  # 1: the layers' GEMMs in FP8 (--dtype fp8, a command's choice, not a plan field: at_dtype)
+    first_layers: object = 0  # the first stage's own layer count (0: even split; stage_layer_count)
+    last_layers: object = 0  # the last stage's own layer count (0: even split)
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
@@ -63,6 +65,7 @@ def columns_of(plan: Plan) -> Columns:
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
                    flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
                    tp_mode=plan.tp_mode,
+                   first_layers=float(plan.first_stage_layers), last_layers=float(plan.last_stage_layers),
                    order=plan.order, tp_axes=plan.tp_axes)
 
 
@@ -72,5 +75,13 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     one = [columns_of(p) for p in plans]
     arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
-                                "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap")}
+                                "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap",
+                                "first_layers", "last_layers")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)
+
+
+def stage_layer_count(model, c: Columns, stage: str):
+    """Layers on a device of the "first", a "middle" or the "last" pipeline stage: model.layers / pp,
+    or the plan's uneven split (spec.plan.stage_layers; with pp = 1 the one stage holds them all)."""
+    first, middle, last = stage_layers(model.layers, c.pp, c.first_layers, c.last_layers)
+    return {"first": first, "middle": middle, "last": last}[stage]

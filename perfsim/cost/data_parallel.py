@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perfsim.cost.columns import FULL, Columns
+from perfsim.cost.columns import FULL, Columns, stage_layer_count
 from perfsim.cost.layer import BF16, MemoryOp, memory_time
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from perfsim.cost.overlap import overlapped_exposure
@@ -70,7 +70,7 @@ def zero3_units(model, c: Columns, stage: str):
     pipeline stage ("first", "middle" or "last"): its layers, and the word embedding and the head
     (with the final norm) as modules of their own on the stages that hold them."""
     edges = np.where(c.pp == 1, 2, {"first": 1, "middle": 0, "last": 1}[stage])
-    return model.layers / c.pp + edges
+    return stage_layer_count(model, c, stage) + edges
 
 
 def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, backward, units=1, buckets=1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfsim.cost import counts, fp8
-from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns
+from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.layer import BF16, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
 from perfsim.spec.model import ModelSpec
@@ -107,7 +107,7 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
         final_norm = counts.norm_params(model) / shard
-    params = per_layer * model.layers / p
+    params = per_layer * stage_layer_count(model, c, stage)
     word = model.padded_vocab(t) * h / shard
     first = word + position
     last = final_norm + np.where(model.tied_embeddings & (p == 1), 0, word)
@@ -116,29 +116,34 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
     return params + np.where(p == 1, first + last, last if stage == "last" else first)
 
 
-def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool) -> dict:
-    """Bytes by kind on one device of the first (or last) stage."""
+def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool, second: bool = False) -> dict:
+    """Bytes by kind on one device of the first (or last) stage; `second`: the second stage, the
+    middle stage with the most micro-batches in flight (1F1B: pp - 1), which an uneven split may
+    give more layers than the first (docs/equations.md 9.4)."""
     b, t, dp, p = c.mbs, c.tp, c.dp, c.pp
     s, h = model.seq, model.hidden
     fw = system.framework
-    params = stage_params(model, c, "last" if last_stage else "first")
+    stage = "middle" if second else "last" if last_stage else "first"
+    params = stage_params(model, c, stage)
     fsdp2 = (fw.zero_implementation == "fsdp2") & (c.zero >= 2) & (dp > 1)
     weights = BF16 * params / np.where(c.zero >= 3, dp, 1)
     # FSDP2's ZeRO-2 keeps the shard, the module's parameter, beside the copy gathered for the step
     weights = weights + np.where(fsdp2 & (c.zero == 2), BF16 * params / dp, 0)
-    weights = weights + fp8.weight_copy_bytes(model, c, model.layers / p)  # FP8 copies and scaling state
+    weights = weights + fp8.weight_copy_bytes(model, c, stage_layer_count(model, c, stage))  # FP8 copies, scaling state
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
     layout = layout_of(model, c)
     per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash)
-    layers = model.layers / p
+    layers = stage_layer_count(model, c, stage)
     in_flight = microbatches_in_flight(c, last_stage)
+    if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
+        in_flight = np.where(c.schedule == GPIPE, c.microbatches, np.minimum(c.microbatches, p - 1))
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
     activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash), 0)
-    first = (p == 1) | (not last_stage)
+    first = (p == 1) | (not last_stage and not second)
     last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
@@ -178,10 +183,17 @@ def allocated_bytes(total, framework):
 
 
 def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
-    """The stage (first or last) with the larger total; `stage` says which."""
+    """The stage (first or last; with an uneven split of 3 or more stages also the second) with the
+    largest total; `stage` says which."""
     first = memory_breakdown(model, system, c, last_stage=False)
     last = memory_breakdown(model, system, c, last_stage=True)
     use_last = last["total"] > first["total"]
     peak = {k: np.where(use_last, last[k], first[k]) for k in first}
     peak["stage"] = np.where(use_last, "last", "first")
+    uneven = (c.pp > 2) & ((c.first_layers > 0) | (c.last_layers > 0))
+    if np.any(uneven):
+        second = memory_breakdown(model, system, c, last_stage=False, second=True)
+        use_second = uneven & (second["total"] > peak["total"])
+        peak = {k: np.where(use_second, second[k], v) for k, v in peak.items() if k != "stage"} | {
+            "stage": np.where(use_second, "second", peak["stage"])}
     return peak

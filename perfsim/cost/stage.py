@@ -15,7 +15,7 @@ import numpy as np
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
-from perfsim.cost.columns import FULL, SELECTIVE, Columns
+from perfsim.cost.columns import FULL, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
 from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_rate, gemm_time,
                                 head_memory_ops, layer_memory_ops, work)
@@ -83,7 +83,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     recompute = np.where(c.recompute == FULL, layer.time_s + host_fwd,
                          np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
-    n = model.layers / p
+    n = 1.0  # `middle` is one layer until each stage takes its own count of layers below (_times)
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
                        backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp),
@@ -107,8 +107,10 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     head = work(dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
                 head_memory_ops(model, b, layout.split, layout.region_split, vocab))
     head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab)
-    first = _plus(middle, emb, tp_time(emb_fwd), tp_time(emb_bwd))
-    last = _plus(middle, head, tp_time(head_fwd), tp_time(head_bwd))
+    layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
+    middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
+    first = _plus(first, emb, tp_time(emb_fwd), tp_time(emb_bwd))
+    last = _plus(last, head, tp_time(head_fwd), tp_time(head_bwd))
     single = _plus(first, head, tp_time(head_fwd), tp_time(head_bwd))
     first, last = (_where(p == 1, single, s) for s in (first, last))
 
@@ -116,7 +118,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     for name, stage, params in (("first", first, params_first), ("middle", middle, stage_params(model, c, "middle")),
                                 ("last", last, params_last)):
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
-                                                  stage.backward, zero3_units(model, c, name), n)
+                                                  stage.backward, zero3_units(model, c, name),
+                                                  stage_layer_count(model, c, name))
     return StageCosts(first, middle, last, params_first, params_last)
 
 
@@ -153,6 +156,12 @@ def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
                      backward=stage.backward + extra.backward_s + tp_backward,
                      forward_compute=stage.forward_compute + extra.time_s, forward_tp=stage.forward_tp + tp_forward,
                      weight_grad=stage.weight_grad + extra.weight_grad_s, curve=stage.curve + extra.curve_s)
+
+
+def _times(stage: StageTime, layers) -> StageTime:
+    """`stage`, the time of one layer, for `layers` layers (its pipeline transfers once)."""
+    return StageTime(**{f.name: getattr(stage, f.name) * (1 if f.name in ("pp_comm", "dp_comm") else layers)
+                        for f in fields(StageTime)})
 
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:

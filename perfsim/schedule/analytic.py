@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from perfsim.cost.topology import TopologyCommModel as CommModel
-from perfsim.cost.columns import INTERLEAVED, Columns
+from perfsim.cost.columns import INTERLEAVED, Columns, stage_layer_count
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
 from perfsim.cost.fp8 import weight_cast_time
+from perfsim.cost.memory import stage_params
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
@@ -34,28 +35,39 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     first, last = stages.first.total, stages.last.total
     total_all = first + last + np.maximum(p - 2, 0) * stages.middle.total
     total_all = np.where(p == 1, first, total_all)
-    slowest = np.maximum(first, last)
+    # the pipeline's pace: the first or last stage, or with an uneven split a middle one (docs/equations.md 9.4)
+    middle = np.where(p > 2, stages.middle.total, 0.0)
+    slowest = np.maximum(np.maximum(first, last), middle)
     pipeline = np.where(c.schedule == INTERLEAVED, m * slowest + (p - 1) / v * total_all / p,
                         (m - 1) * slowest + total_all)
 
-    last_is_slowest = last > first
-    kinds = {k: np.where(last_is_slowest, b, a) for (k, a), b in
-             zip(stages.first.kinds().items(), stages.last.kinds().values())}
-    slow = {k: np.where(last_is_slowest, getattr(stages.last, k), getattr(stages.first, k))
-            for k in ("backward", "forward_compute", "forward_tp")}
+    last_is_slowest, middle_is_slowest = last > first, middle > np.maximum(first, last)
+
+    def slow_stage(of):  # `of` the slowest stage ("first", "middle" or "last")
+        return np.where(middle_is_slowest, of("middle"), np.where(last_is_slowest, of("last"), of("first")))
+
+    kinds = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in stages.first.KINDS}
+    slow = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in ("backward", "forward_compute", "forward_tp")}
     breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
     # Exactly zero without a pipeline; never negative from rounding.
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]
 
     comm = CommModel(system)
-    params = np.maximum(stages.params_first, stages.params_last)
+    # the stage holding the most parameters: first or last, or with an uneven split a middle one
+    middle_params = np.where(p > 2, stage_params(model, c, "middle"), 0.0)
+    params = np.maximum(np.maximum(stages.params_first, stages.params_last), middle_params)
     use_last = stages.params_last > stages.params_first
-    units = np.where(use_last, zero3_units(model, c, "last"), zero3_units(model, c, "first"))
+    use_middle = middle_params > np.maximum(stages.params_first, stages.params_last)
+
+    def heaviest(of):  # `of` the stage with the most parameters
+        return np.where(use_middle, of("middle"), np.where(use_last, of("last"), of("first")))
+
+    units = heaviest(lambda s: zero3_units(model, c, s))
     reduction, gather = step_reduction_time(system, comm, c, params, units)
     # Overlapped (dp_overlap): the reduction bucket by bucket (one per layer) behind the slowest
     # stage's last backward, the gather behind the next step's first forward (docs/equations.md 9.2).
-    buckets = model.layers / p
+    buckets = slow_stage(lambda s: stage_layer_count(model, c, s))
     reduction = np.where(c.dp_overlap, overlapped_exposure(reduction, slow["backward"], buckets), reduction)
     gather = np.where(c.dp_overlap, overlapped_exposure(gather, slow["forward_compute"] + slow["forward_tp"], buckets),
                       gather)
@@ -65,7 +77,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)
 
     # the optimizer step, and in FP8 the cast of the updated weights it is followed by
-    breakdown["optimizer"] = optimizer_time(system, c, params) + weight_cast_time(model, system, c, model.layers / p)
+    breakdown["optimizer"] = optimizer_time(system, c, params) + weight_cast_time(
+        model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
     breakdown["other"] = system.framework.step_overhead_s + 0.0 * pipeline
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from perfsim.cost.columns import Columns, at_dtype, columns_of
+from perfsim.cost.columns import Columns, at_dtype, columns_of, stage_layer_count
 from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
                                         tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
 from perfsim.cost.fp8 import weight_cast_time
@@ -139,7 +139,8 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         dp=dp, zero=zero, dp_overlap=o, recompute_full=int(c.recompute) == 2,
         overhead_s=float(system.framework.step_overhead_s),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
-        optimizer=per(lambda k: optimizer_time(system, c, params[k]) + weight_cast_time(model, system, c, model.layers / p)),
+        optimizer=per(lambda k: optimizer_time(system, c, params[k])
+                      + weight_cast_time(model, system, c, stage_layer_count(model, c, k))),
     )
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731

@@ -46,6 +46,11 @@ class Plan:
     attention: str = "unfused"  # the command line's default is the profile's framework.attention
     dp_overlap: bool = False  # data-parallel reductions and gathers overlap compute, bucket by bucket
     tp_overlap: bool = False  # 1d + SP: all-gathers and reduce-scatters pipelined with their GEMMs in chunks
+    # Uneven pipeline splits: the layers of the first and of the last stage (0: as the others), the
+    # rest spread evenly over the other stages (stage_layers; Megatron-Core's
+    # --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     @property
     def devices(self) -> int:
@@ -147,9 +152,12 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
             reasons.append(f"tp {plan.tp} must divide the MLP width {model.ffn_size}")
         if plan.sp and model.seq % plan.tp:
             reasons.append(f"with --sp, tp {plan.tp} must divide the sequence length {model.seq}")
-    if model.layers % (plan.pp * plan.vpp):
+    split = pipeline_split_problems(plan, model)
+    reasons += split
+    if model.layers % (plan.pp * plan.vpp) and not split and not uneven(plan):
         what = f"pp x vpp = {plan.pp * plan.vpp}" if plan.vpp > 1 else f"pp {plan.pp}"
-        reasons.append(f"{what} must divide the {model.layers} layers")
+        reasons.append(f"{what} must divide the {model.layers} layers" + ("" if plan.vpp > 1 else
+                       ", or the first and last stage need counts of their own (--first-stage-layers, --last-stage-layers)"))
     if plan.schedule == "interleaved" and plan.vpp < 2:
         reasons.append("the interleaved schedule needs --vpp 2 or more")
     if plan.vpp > 1 and plan.schedule != "interleaved":
@@ -203,3 +211,53 @@ def _grid_problems(plan: Plan, model: ModelSpec) -> list[str]:
     if model.heads % q or model.kv_head_count % q:
         reasons.append(f"{mode} tensor parallelism splits heads {q} ways: {q} must divide the heads and key/value heads")
     return reasons
+
+
+def split_words(plan: Plan) -> str:
+    """An uneven pipeline split in words, "" for an even one: "7 layers on the first stage, 7 on the last"."""
+    words = [f"{plan.first_stage_layers} layers on the first stage"] if plan.first_stage_layers else []
+    if plan.last_stage_layers:
+        words.append(f"{plan.last_stage_layers} {'on' if words else 'layers on'} the last")
+    return ", ".join(words)
+
+
+def uneven(plan: Plan) -> bool:
+    """Whether the plan gives its first or last stage a layer count of its own."""
+    return bool(plan.first_stage_layers or plan.last_stage_layers)
+
+
+def stage_layers(layers, pp, first_layers, last_layers) -> tuple:
+    """(first, middle, last) stages' layer counts (numbers or numpy arrays): the first and last
+    stage's own counts where given (> 0), the other layers spread evenly over the other stages
+    (docs/equations.md 9.4). One stage holds every layer; a middle count with pp <= 2 is unused."""
+    first_given, last_given = first_layers > 0, last_layers > 0
+    others = pp - first_given - last_given  # stages sharing the rest evenly
+    rest = (layers - first_layers - last_layers) / np.maximum(others, 1)
+    return np.where(first_given, first_layers, rest), rest, np.where(last_given, last_layers, rest)
+
+
+def pipeline_split_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Why the plan's uneven pipeline split cannot lay out `model`'s layers (empty for an even split)."""
+    first, last = plan.first_stage_layers, plan.last_stage_layers
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return [f"{name} must be a whole number of layers (0: as the other stages), got {value!r}"]
+    if not (first or last):
+        return []
+    if plan.pp < 2:
+        return ["--first-stage-layers and --last-stage-layers need a pipeline (--pp 2 or more)"]
+    if plan.vpp > 1 or plan.schedule == "interleaved":
+        return ["uneven pipeline splits (--first-stage-layers, --last-stage-layers) are not modelled with the "
+                "interleaved schedule: leave out --vpp, or split evenly"]
+    given = f"{model.layers} layers less {first + last} on the first and last stage"
+    others = plan.pp - (first > 0) - (last > 0)
+    if others == 0:
+        return [] if first + last == model.layers else [
+            f"with pp 2 the first and last stage hold every layer: {first} + {last} must be {model.layers}"]
+    rest = model.layers - first - last
+    if rest < others or rest % others:
+        return [f"the {given} must spread evenly over the other {others} stages, at least one layer each "
+                f"(pp {plan.pp}, {model.layers} layers: e.g. --first-stage-layers "
+                f"{max(1, (model.layers + 2) // plan.pp - 1)} --last-stage-layers {max(1, (model.layers + 2) // plan.pp - 1)} "
+                f"where that divides)"]
+    return []
