@@ -104,3 +104,21 @@ def test_saved_activations_are_perfsims_at_s_over_cp(results):
         for i in range(LAYERS):
             assert saved["by_region"][f"layer{i}"]["activation"] == expected["layer_like"] - dropped, case["case"]
         assert saved["by_kind"]["activation"] == expected["like"] - LAYERS * dropped, case["case"]
+
+
+@pytest.mark.multiprocess
+def test_perfsim_validate_times_a_context_parallel_plan(run_cli, tmp_path):
+    """`perfsim validate` runs a cp plan (validate.steps -> validate.context_parallel) and compares
+    it with perfsim: FLOPs (run plus skipped blocks) and every byte sent equal, the ring's sends
+    being the prediction's cp bytes; step time and memory measured."""
+    model = MODEL.replace("vocab=128", "vocab=512")
+    r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--model", model, "--plans",
+                "cp=2,attention=flash,mbs=2,gbs=2", "--steps", "1", "--speed-tolerance", "inf", "--ledger", str(tmp_path / "l.jsonl"), "--json")
+    assert r.code == 0, r.err
+    (entry,) = r.json()
+    assert entry["label"].startswith("cp2 ") and entry["plan"]["cp"] == 2
+    assert entry["flops"]["counted"] == entry["flops"]["predicted"]
+    assert entry["comm_bytes"]["counted"] == pytest.approx(entry["comm_bytes"]["predicted"], rel=1e-12)
+    assert entry["comm_bytes_counted_by_kind"]["send"] == entry["comm_bytes_predicted_by_dimension"]["cp"] > 0
+    assert entry["step_time_s"]["measured"] > 0 and entry["peak_memory_bytes"]["measured"] > 0
+    assert entry["activation_bytes"]["counted"] == pytest.approx(entry["activation_bytes"]["predicted"], rel=0.01)

@@ -32,6 +32,9 @@ def test_default_plans_cover_modes_and_are_valid():
     assert {p.schedule for p in plans if p.pp > 1} == {"gpipe", "1f1b", "interleaved"}
     assert {p.zero for p in plans if p.dp > 1} == {0, 1, 2, 3}
     assert any(p.sp for p in plans)
+    assert any(p.attention == "flash" and p.tp == 2 for p in plans)
+    assert any(p.cp == 2 and p.attention == "flash" for p in plans)
+    assert all(timing.harness_problems(p) == [] for p in plans)
     for p in plans:
         assert p.devices == 2 and not plan_problems(p, model, 2), p
     assert {p.tp_mode for p in timing.default_plans(4)} >= {"1d", "2d"}
@@ -356,3 +359,18 @@ def test_both_attention_kernels_are_run_by_the_harness():
     for attention in ("unfused", "flash"):
         assert timing.harness_problems(Plan(tp=2, attention=attention)) == []
     assert timing.harness_problems(Plan(tp=2, sp=True, attention="flash", tp_overlap=True)) != []
+
+
+@pytest.mark.parametrize("plan, problem", [
+    (dict(cp=2, attention="flash", tp=2, dp=2), None),
+    (dict(cp=2), "give --attention flash"),
+    (dict(cp=2, attention="flash", pp=2), "without pipelining"),
+    (dict(cp=2, attention="flash", tp=2, sp=True), "without SP"),
+    (dict(cp=2, attention="flash", dp=2, zero=1), "ZeRO 0"),
+    (dict(cp=2, attention="flash", tp=4, tp_mode="2d"), "1d tensor parallelism")])
+def test_context_parallel_plans_the_harness_runs(plan, problem):
+    """validate.context_parallel runs ring attention (flash) with 1d TP without SP and plain DP;
+    anything else is refused before a rank starts."""
+    problems = timing.harness_problems(Plan(**plan))
+    assert problems == [] if problem is None else any(problem in p for p in problems)
+    assert "cp2" in timing.plan_label(Plan(**plan))

@@ -39,6 +39,8 @@ def _max_error(grads, reference):
 def compare(model, mbs: int = 2, recompute: str = "none", dtype: str = "fp32") -> dict:
     """One step of the flash and of the unfused GPT (same seed and batch) in `dtype`, against the
     fp32 unfused step, with the flash step counted and perfsim's figures for the flash plan."""
+    import gc
+
     import torch
 
     from perfsim.predict import predict
@@ -60,21 +62,23 @@ def compare(model, mbs: int = 2, recompute: str = "none", dtype: str = "fp32") -
     device = Device("cpu", 0)
     out = {"dtype": dtype, "recompute": recompute, "reference_loss": ref_loss,
            "grad_max_abs": max(float(g.abs().max()) for g in ref_grads.values())}
-    for attention in ("unfused", "flash"):
-        gpt = built(attention)
-        flops = LocalFlopCounter()
-        saved = SavedTensorCounter(torch, gpt)
+
+    def counted(gpt):
+        flops, saved = LocalFlopCounter(), SavedTensorCounter(torch, gpt)
+        gc.collect()  # nothing left from before is freed inside the window, lowering its peak
         with device.allocation_peak() as peak:
             with flops:
                 with saved:
                     loss = gpt.loss(tokens, targets)
                 gpt.backward(loss)
         grads = {n: p.grad.float() for n, p in gpt.named_parameters()}
-        out[attention] = {"loss": float(loss.detach()), "grad_max_abs_error": _max_error(grads, ref_grads),
-                          "flops": flops.total(), "flops_by_op": flops.by_op(), "peak_bytes": peak.bytes,
-                          "saved_items": saved.items,
-                          "saved": price_saved(saved.items, [(mbs, model.heads, model.seq)]),
-                          "grads": grads}
+        return {"loss": float(loss.detach()), "grad_max_abs_error": _max_error(grads, ref_grads),
+                "flops": flops.total(), "flops_by_op": flops.by_op(), "peak_bytes": peak.bytes,
+                "saved_items": saved.items, "saved": price_saved(saved.items, [(mbs, model.heads, model.seq)]),
+                "grads": grads}
+
+    for attention in ("unfused", "flash"):
+        out[attention] = counted(built(attention))
         plan = Plan(attention=attention, recompute=recompute, mbs=mbs, gbs=mbs)
         out[attention]["perfsim"] = {
             "flops": float(predict(model, load_system(SYSTEM), plan, "bf16").hardware_flops_per_step),

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from validate.gpt import causal_bias
+from validate.steps import TensorParallelStep, initialise, synthetic_batches
 
 KV_TAG, DKV_TAG = 1, 2  # two messages may go to the same peer in one step (cp = 2): told apart by tag
 FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 5  # matrix products a block runs each way
@@ -277,15 +278,14 @@ def all_reduce_gradients(module, group, members: int) -> None:
         offset += g.numel()
 
 
-class ContextParallelStep:
+class ContextParallelStep(TensorParallelStep):
     """build_step's training step for plans with cp > 1: validate.gpt's GPT with flash attention,
     1d tensor parallelism (no SP) over tp, ring attention over cp, the gradients summed over the
-    dp x cp ranks (plain data parallelism, ZeRO 0), pp = 1."""
+    dp x cp ranks (plain data parallelism, ZeRO 0), pp = 1; it runs as TensorParallelStep does."""
 
     def __init__(self, plan, model, device, dtype):
         from validate.gpt import GPT, GPTConfig, parallelize
         from validate.optim import MasterAdam
-        from validate.steps import initialise, synthetic_batches
         from validate.timing import context_parallel_problems
 
         reasons = context_parallel_problems(plan)
@@ -310,16 +310,8 @@ class ContextParallelStep:
         tokens, targets = tokens[mine][:, columns].to(device), targets[mine][:, columns].to(device)
         self.batches = list(zip(tokens.split(plan.mbs), targets.split(plan.mbs)))
 
-    def run(self) -> float:
-        total = 0.0
-        for tokens, targets in self.batches:
-            loss = self.module.loss(tokens, targets) / len(self.batches)
-            self.module.backward(loss)
-            total += float(loss.detach())
+    def finish_gradients(self) -> None:
         all_reduce_gradients(self.module, self.grad_group, self.members)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
 
 
 def build_step(plan, model, device, dtype) -> ContextParallelStep:

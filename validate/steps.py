@@ -69,10 +69,14 @@ class TensorParallelStep:
             loss = self.module.loss(tokens, targets) / len(self.batches)
             self.module.backward(loss)
             total += float(loss.detach())
-        self.module.finish_gradients()
+        self.finish_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def finish_gradients(self) -> None:
+        """What the gradients need after the last backward, before the optimizer step."""
+        self.module.finish_gradients()
 
 
 def initialise(module, seed: int) -> None:

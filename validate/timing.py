@@ -30,8 +30,9 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 def default_plans(nproc: int, model=None, mbs: int = 2) -> list:
     """At least 12 plans over `nproc` devices: 1d tensor parallelism with and without SP under
     each recompute mode, the three pipeline schedules, and ZeRO 0-3; 2d at 4 devices, 2.5d and 3d
-    at 8 (where their grids exist). With `model` (a ModelSpec), the plans it cannot run (tp not
-    dividing its heads, pp not dividing its layers) are left out."""
+    at 8 (where their grids exist); today's stack: 1d with flash attention (torch's SDPA) and
+    context parallelism (ring attention). With `model` (a ModelSpec), the plans it cannot run (tp
+    not dividing its heads, pp not dividing its layers, cp not dividing its sequence) are left out."""
     from perfsim.spec.plan import RECOMPUTE, Plan, plan_problems
 
     n = nproc
@@ -41,7 +42,11 @@ def default_plans(nproc: int, model=None, mbs: int = 2) -> list:
     dp = [Plan(dp=n, zero=z, mbs=mbs, gbs=2 * mbs * n) for z in range(4)]
     grids = {4: [Plan(tp=4, tp_mode="2d", mbs=mbs, gbs=2 * mbs)],
              8: [Plan(tp=8, tp_mode="2.5d", tp_depth=2, mbs=mbs, gbs=2 * mbs), Plan(tp=8, tp_mode="3d", mbs=mbs, gbs=2 * mbs)]}
-    plans = tp + pp + dp + grids.get(n, []) if n > 1 else [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE]
+    stack = [Plan(tp=n, attention="flash", mbs=mbs, gbs=2 * mbs)]
+    if "cp" in Plan.__dataclass_fields__:
+        stack.append(Plan(cp=n, attention="flash", mbs=mbs, gbs=2 * mbs))
+    plans = (tp + pp + dp + grids.get(n, []) + stack if n > 1 else
+             [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE] + [Plan(attention="flash", mbs=mbs, gbs=2 * mbs)])
     return [p for p in plans if model is None or not plan_problems(p, model, n)]
 
 
@@ -190,8 +195,9 @@ def merge_rounds(measured: list) -> dict:
 
 def harness_system(system, dtype: str):
     """The profile as the harness trains: gradients in the parameters' dtype (validate.optim)."""
-    framework = dataclasses.replace(system.framework, grad_bytes_per_param=DTYPE_BYTES[dtype])
-    return dataclasses.replace(system, framework=framework)
+    from perfsim.calibrate.overheads import as_trained
+
+    return as_trained(system, dtype)
 
 
 def predicted(model, system, plan, dtype: str) -> dict:
