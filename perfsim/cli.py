@@ -83,6 +83,8 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
     g.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
     g.add_argument("--tp-depth", dest="tp_depth", type=_positive, help="depth d of 2.5d tensor parallelism")
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (1d only)")
+    g.add_argument("--cp", type=_positive, help="context-parallel size: ranks sharing each sequence by ring "
+                   "attention (1d TP only; the sequence a multiple of 2 x cp)")
     g.add_argument("--pp", type=_positive, help="pipeline stages")
     g.add_argument("--vpp", type=_positive, help="interleaved chunks per device (implies --schedule interleaved)")
     g.add_argument("--first-stage-layers", dest="first_stage_layers", type=_positive,
@@ -91,7 +93,7 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
     g.add_argument("--last-stage-layers", dest="last_stage_layers", type=_positive,
                    help="layers of the last pipeline stage (default: as the others)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
-    g.add_argument("--dp", type=_positive, help="data-parallel size (default: devices / (tp x pp))")
+    g.add_argument("--dp", type=_positive, help="data-parallel size (default: devices / (tp x cp x pp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     g.add_argument("--mbs", type=_positive, help="micro-batch size (sequences)")
     g.add_argument("--gbs", type=_positive, help="global batch size (sequences)")
@@ -114,7 +116,7 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
 
 
 PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
-              "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap", "first_stage_layers",
+              "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap", "cp", "first_stage_layers",
               "last_stage_layers")
 
 
@@ -137,7 +139,7 @@ def plan_flags_given(args) -> dict:
 
 
 def device_count(args, system, fields: dict) -> int:
-    """--nodes or --devices, else the plan's own size (tp x pp x dp, 1 where left out); more than
+    """--nodes or --devices, else the plan's own size (tp x cp x pp x dp, 1 where left out); more than
     perfsim models is an error before any plan is searched or priced."""
     from perfsim.spec.plan import device_count_problem
 
@@ -146,23 +148,24 @@ def device_count(args, system, fields: dict) -> int:
     elif args.devices is not None:
         devices = args.devices
     else:
-        devices = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
+        devices = fields.get("tp", 1) * fields.get("cp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
     too_many = device_count_problem(devices)
     if too_many:
         raise PerfsimError(too_many)
     return devices
 
 
-def derived_dp(devices: int, tp: int, pp: int) -> int:
-    if devices % (tp * pp):
-        raise PerfsimError(f"{devices} devices is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or the device count")
-    return devices // (tp * pp)
+def derived_dp(devices: int, tp: int, pp: int, cp: int = 1) -> int:
+    if devices % (tp * cp * pp):
+        what, flags = ("tp x cp x pp", "--tp/--cp/--pp") if cp > 1 else ("tp x pp", "--tp/--pp")
+        raise PerfsimError(f"{devices} devices is not a multiple of {what} = {tp * cp * pp}; change {flags} or the device count")
+    return devices // (tp * cp * pp)
 
 
 def build_case(args):
     """(model, system, plan) from parsed flags, applying the documented defaults. A plan that
     its derived dp leaves invalid is an error that says how dp was derived and what to give."""
-    from perfsim.spec.plan import Plan, plan_problems
+    from perfsim.spec.plan import Plan, device_product, plan_problems
 
     builtin = is_builtin(args)
     model, system = load_case(args)
@@ -174,15 +177,15 @@ def build_case(args):
     devices = device_count(args, system, fields)
     derived = "dp" not in fields
     if derived:
-        fields["dp"] = derived_dp(devices, tp, pp)
+        fields["dp"] = derived_dp(devices, tp, pp, fields.get("cp", 1))
     fields.setdefault("gbs", fields.get("mbs", 1) * fields["dp"])
     if fields.get("vpp", 1) > 1:
         fields.setdefault("schedule", "interleaved")
     fields = stack_defaults(system, fields)
     plan = Plan(**fields)
     if plan.devices != devices:
-        raise PerfsimError(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the "
-                           f"{devices} devices; leave --dp out to derive it")
+        raise PerfsimError(f"{device_product(plan)} = {plan.devices} does not match the {devices} devices; "
+                           "leave --dp out to derive it")
     problems = plan_problems(plan, model) if derived else []
     if problems:
         raise PerfsimError(_derived_dp_problem(args, plan, problems))
@@ -195,7 +198,7 @@ def stack_defaults(system, fields: dict) -> dict:
     communication with compute (an overlap the plan cannot have is left off, not an error)."""
     fw = system.framework
     sp_1d = bool(fields.get("sp")) and fields.get("tp_mode", "1d") == "1d" and fields.get("tp", 1) > 1
-    return {"attention": fw.attention, "dp_overlap": bool(fw.dp_overlap) and fields.get("dp", 1) > 1,
+    return {"attention": fw.attention, "dp_overlap": bool(fw.dp_overlap) and fields.get("dp", 1) * fields.get("cp", 1) > 1,
             "tp_overlap": bool(fw.tp_overlap) and sp_1d} | fields
 
 
@@ -210,7 +213,8 @@ def _derived_dp_problem(args, plan, problems: list) -> str:
     if plan.gbs % batch == 0 and (plan.schedule != "interleaved" or plan.microbatches % plan.pp == 0):
         return f"{'; '.join(problems)}; or run `{search}` to find a plan"  # dp is not the trouble
     remedies = ["give --tp/--pp"] + ([f"a --gbs that is a multiple of mbs x dp = {batch}"] if plan.gbs % batch else [])
-    return (f"{'; '.join(problems)} (dp = {plan.devices} devices / (tp {plan.tp} x pp {plan.pp}) = {plan.dp}, "
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+    return (f"{'; '.join(problems)} (dp = {plan.devices} devices / (tp {plan.tp}{cp} x pp {plan.pp}) = {plan.dp}, "
             f"derived because --dp was left out); {', or '.join(remedies)}, or run `{search}` to find a plan")
 
 

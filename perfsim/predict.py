@@ -96,7 +96,7 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
     model_flops = c.gbs * counts.model_flops_per_sample(model, c.tp)
     ds_flops = c.gbs * np.where(c.recompute == FULL, counts.megatron_ds_flops_per_sample(model, c.tp, True),
                                 counts.megatron_ds_flops_per_sample(model, c.tp, False))
-    per_device = step * c.tp * c.pp * c.dp
+    per_device = step * c.tp * c.cp * c.pp * c.dp
     return {
         "step_time_s": step, "tokens_per_s": c.gbs * model.seq / step, "samples_per_s": c.gbs / step,
         "model_flops_per_step": model_flops, "hardware_flops_per_step": model_flops + c.gbs * recompute,

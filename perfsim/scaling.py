@@ -39,9 +39,10 @@ class ScalePoint:
 
 def scaled_plan(base: Plan, base_devices: int, devices: int, weak: bool) -> Plan:
     """The base plan on `devices` devices: data parallelism takes the difference."""
-    replica = base.tp * base.pp
+    replica = base.tp * base.cp * base.pp
     if devices % replica:
-        raise PerfsimError(f"{devices} devices is not a multiple of tp x pp = {replica}")
+        what = "tp x cp x pp" if base.cp > 1 else "tp x pp"
+        raise PerfsimError(f"{devices} devices is not a multiple of {what} = {replica}")
     dp = devices // replica
     if weak:
         return base.replace(dp=dp, gbs=base.microbatches * base.mbs * dp)

@@ -599,6 +599,11 @@ NUMBER_CASES = [
     ("predict-devices-million", ["predict", *PREDICT, "--devices", str(2**20 + 1)], "error", "devices"),
     ("predict-nodes-huge", ["predict", *PREDICT, "--nodes", str(2**37)], "error", "devices"),
     ("predict-tp-huge", ["predict", *PREDICT, "--devices", "8", "--tp", BIG], "error", "--tp"),
+    ("predict-cp-huge", ["predict", *PREDICT, "--devices", "8", "--cp", BIG], "error", "--cp"),
+    ("predict-cp-not-dividing-the-sequence", ["predict", *PREDICT, "--devices", "6", "--cp", "3"], "error", "2 x cp"),
+    ("predict-cp-beside-2d", ["predict", *PREDICT, "--devices", "8", "--tp", "4", "--tp-mode", "2d", "--mbs", "2",
+                              "--cp", "2"], "error", "1d tensor parallelism only"),
+    ("search-fix-cp-word", ["search", *PREDICT, "--devices", "8", "--gbs", "8", "--fix", "cp=ring"], "error", "cp"),
     ("predict-mbs-float", ["predict", *PREDICT, "--mbs", "1.5"], "error", "--mbs"),
     ("predict-mbs-5000-digits", ["predict", *PREDICT, "--mbs", HUGE_DIGITS], "error", "--mbs"),
     ("predict-zero-word", ["predict", *PREDICT, "--zero", "one"], "error", "--zero"),
@@ -865,7 +870,8 @@ def test_any_numbers_in_a_megatron_log(ms, tflops, batch):
 
 
 @FAST
-@given(flag=st.sampled_from(["--tp", "--pp", "--dp", "--mbs", "--gbs", "--devices", "--nodes", "--vpp", "--tp-depth"]),
+@given(flag=st.sampled_from(["--tp", "--cp", "--pp", "--dp", "--mbs", "--gbs", "--devices", "--nodes", "--vpp",
+                             "--tp-depth"]),
        number=st.one_of(st.integers(-10, 5000), st.integers(min_value=2**20 + 1), st.text(max_size=12)))
 def test_any_number_for_a_plan_flag(capsys, flag, number):
     argv = ["predict", *PREDICT, flag, str(number)]

@@ -13,13 +13,14 @@ TERM_LABELS = {
     "compute": "compute (forward and backward)",
     "recompute": "recomputation",
     "tp_comm": "tensor-parallel communication",
+    "cp_comm": "context-parallel ring attention (not hidden)",
     "pp_comm": "pipeline sends",
     "pp_bubble": "pipeline bubble (idle)",
     "dp_comm": "data-parallel communication (not hidden)",
     "optimizer": "optimizer step",
     "other": "framework overhead",
 }
-TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "pp_comm": "#54a24b",
+TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
                 "pp_bubble": "#bab0ac", "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d"}
 assert tuple(TERM_LABELS) == BREAKDOWN_KEYS
 

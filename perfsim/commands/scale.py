@@ -59,7 +59,7 @@ def run(args) -> None:
             if key != "gbs" and getattr(args, key) is None:
                 setattr(args, key, value)
         if args.gbs is None:
-            dp = nodes[0] * per_node // (args.tp * args.pp)
+            dp = nodes[0] * per_node // (args.tp * (args.cp or 1) * args.pp)
             args.gbs = PROTOCOL_MICROBATCHES * args.mbs * dp if args.weak else PROTOCOL_STRONG_GBS
         args.model, args.system = BUILTIN_CASE["model"], BUILTIN_CASE["system"]
     model, system, base = build_case(args)

@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from perfsim.cost.collectives import group_strides
-from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, stage_layers
+from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, stage_layers, ranks_order
 
 NONE, SELECTIVE, FULL = (RECOMPUTE.index(r) for r in ("none", "selective", "full"))
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
@@ -39,6 +39,7 @@ class Columns:
     fp8: int = 0  # 1: the layers' GEMMs in FP8 (--dtype fp8, a command's choice, not a plan field: at_dtype)
     first_layers: object = 0  # the first stage's own layer count (0: even split; stage_layer_count)
     last_layers: object = 0  # the last stage's own layer count (0: even split)
+    cp: object = 1  # context parallelism: ranks sharing each sequence
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
@@ -48,8 +49,29 @@ class Columns:
         return self.gbs // (self.mbs * self.dp)
 
     @cached_property
+    def dp_cp(self):
+        """The ranks holding copies of the same weights: gradients are reduced, and ZeRO shards,
+        over data and context parallelism together (Megatron-Core's dp-cp group). Cached: the
+        topology model remembers a batch's groups by the identity of its size arrays."""
+        return self.dp * self.cp
+
+    @cached_property
     def strides(self) -> dict:
-        return group_strides(self.order, {"tp": self.tp, "dp": self.dp, "pp": self.pp})
+        """Stride in rank space of tp, cp, dp and pp, and of the joint dp-cp group ("dp_cp")."""
+        strides = group_strides(ranks_order(self.order), {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp})
+        strides["dp_cp"] = joint_stride(self.cp, strides["cp"], self.dp, strides["dp"])
+        return strides
+
+
+def joint_stride(size_a, stride_a, size_b, stride_b):
+    """Stride of the group joining two dimensions, as one (size_a x size_b, stride) group: exact
+    where they are neighbours in the rank order (the outer one's stride is the inner one's times
+    its size) or one of them has size 1; otherwise the outer stride, a group as wide as its widest
+    step (an approximation: the real members are not evenly spaced; docs/equations.md 11.1)."""
+    inner, outer = np.minimum(stride_a, stride_b), np.maximum(stride_a, stride_b)
+    inner_size = np.where(stride_a <= stride_b, size_a, size_b)
+    joint = np.where(outer == inner * inner_size, inner, outer)
+    return np.where(size_a == 1, stride_b, np.where(size_b == 1, stride_a, joint))
 
 
 def at_dtype(c: Columns, dtype: str) -> Columns:
@@ -64,7 +86,7 @@ def columns_of(plan: Plan) -> Columns:
                    sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
                    flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
-                   tp_mode=plan.tp_mode,
+                   cp=float(plan.cp), tp_mode=plan.tp_mode,
                    first_layers=float(plan.first_stage_layers), last_layers=float(plan.last_stage_layers),
                    order=plan.order, tp_axes=plan.tp_axes)
 
@@ -75,7 +97,7 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     one = [columns_of(p) for p in plans]
     arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
-                                "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap",
+                                "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap", "cp",
                                 "first_layers", "last_layers")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)
 

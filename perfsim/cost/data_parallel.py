@@ -1,6 +1,8 @@
 """Data-parallel gradient traffic by ZeRO stage, and the optimizer step (docs/equations.md, section 6).
 
-Per step, for N parameters on a device and a data-parallel group of d:
+Per step, for N parameters on a device and a data-parallel group of d (data and context
+parallelism together, Megatron-Core's dp-cp group: context-parallel ranks hold the same weights
+and their gradients are reduced, and ZeRO-sharded, with the data-parallel replicas'):
 - ZeRO-0 (DDP): all-reduce of the gradients (grad_bytes x N);
 - ZeRO-1: reduce-scatter of the gradients after the last micro-batch, then all-gather of the
   updated bf16 weights;
@@ -55,13 +57,13 @@ def step_reduction_time(system: System, comm, c: Columns, params, units=1):
     of the `units` at a time, with its buffer copies (it does so in the step's first forward; the
     time is the same where nothing hides it)."""
     grads = system.framework.grad_bytes_per_param * params
-    stride = c.strides["dp"]
-    reduction = np.where(c.zero == 0, comm.all_reduce(grads, c.dp, stride),
-                         np.where(c.zero == 1, comm.reduce_scatter(grads, c.dp, stride), 0.0))
+    group, stride = c.dp_cp, c.strides["dp_cp"]
+    reduction = np.where(c.zero == 0, comm.all_reduce(grads, group, stride),
+                         np.where(c.zero == 1, comm.reduce_scatter(grads, group, stride), 0.0))
     calls = np.where((c.zero == 2) & is_fsdp2(system), units, 1)
-    gather = calls * comm.all_gather(BF16 * params / calls, c.dp, stride)
+    gather = calls * comm.all_gather(BF16 * params / calls, group, stride)
     if is_fsdp2(system):
-        gather = gather + np.where((c.zero == 2) & (c.dp > 1), fsdp2_copy_times(system, c, params)[0], 0.0)
+        gather = gather + np.where((c.zero == 2) & (group > 1), fsdp2_copy_times(system, c, params)[0], 0.0)
     return reduction, np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
 
 
@@ -93,9 +95,9 @@ def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
     in `units` modules of equal size, one call each (1: a single call, ZeRO-2's bucket), nothing
     hidden: (gradient reduce-scatters, one all-gather of the bf16 weights). The event simulator
     overlaps them itself; `microbatch_reduction_time` gives what the closed form exposes."""
-    stride = c.strides["dp"]
-    scatter = units * comm.reduce_scatter(system.framework.grad_bytes_per_param * params / units, c.dp, stride)
-    return scatter, units * comm.all_gather(BF16 * params / units, c.dp, stride)
+    group, stride = c.dp_cp, c.strides["dp_cp"]
+    scatter = units * comm.reduce_scatter(system.framework.grad_bytes_per_param * params / units, group, stride)
+    return scatter, units * comm.all_gather(BF16 * params / units, group, stride)
 
 
 def fsdp2_copy_times(system: System, c: Columns, params):
@@ -106,7 +108,7 @@ def fsdp2_copy_times(system: System, c: Columns, params):
     output to the gradient shard of an earlier micro-batch)."""
     if not is_fsdp2(system):
         return 0.0, 0.0, 0.0
-    d, grad = c.dp, system.framework.grad_bytes_per_param
+    d, grad = c.dp_cp, system.framework.grad_bytes_per_param
     device = system.device
 
     def copy(name, nbytes):
@@ -124,7 +126,7 @@ def fsdp2_microbatch_copies(system: System, c: Columns, params):
     gather, scatter, accumulate = fsdp2_copy_times(system, c, params)
     m = c.microbatches
     per_microbatch = scatter + accumulate * (m - 1) / m + np.where(c.zero == 3, zero3_gathers(system, c) * gather, 0.0)
-    return np.where((c.zero >= 2) & (c.dp > 1), per_microbatch, 0.0)
+    return np.where((c.zero >= 2) & (c.dp_cp > 1), per_microbatch, 0.0)
 
 
 def tied_embedding_time(model, system: System, comm, c: Columns):
@@ -142,6 +144,6 @@ def optimizer_time(system: System, c: Columns, params):
     Per parameter it reads the gradient twice (norm for clipping, then the update), reads and
     writes fp32 master, momentum and variance, and writes the bf16 weight."""
     dev = system.device
-    updated = params / np.where(c.zero >= 1, c.dp, 1)
+    updated = params / np.where(c.zero >= 1, c.dp_cp, 1)
     per_param = 2 * system.framework.grad_bytes_per_param + 2 * OPTIMIZER_BYTES_PER_PARAM + BF16
     return updated * per_param / (dev.memory_bandwidth_Bps * dev.memory_efficiency) + 2 * dev.kernel_overhead_s

@@ -83,6 +83,7 @@ class Work:
     time_s: object = 0.0
     core_flops: object = 0.0  # the attention core (recomputed by selective recomputation)
     core_time_s: object = 0.0
+    core_backward_s: object = 0.0  # the attention core's part of backward_s
     backward_s: object = 0.0  # the backward pass of the same ops
     weight_grad_s: object = 0.0  # the weight-gradient GEMMs inside backward_s (same shapes as forward)
     curve_s: object = 0.0  # of time_s + backward_s, what rests on the parametric curves alone (cost/measured.py)
@@ -264,6 +265,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
             time = unfused * time
             total.core_flops, total.core_time_s = total.core_flops + flops, total.core_time_s + time
+            total.core_backward_s = total.core_backward_s + GEMM_BACKWARD * time
         else:
             total.weight_grad_s = total.weight_grad_s + time
         total.time_s = total.time_s + time
@@ -274,6 +276,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
             total.time_s = total.time_s + flash * forward
             total.core_time_s = total.core_time_s + flash * forward
             total.backward_s = total.backward_s + flash * backward
+            total.core_backward_s = total.core_backward_s + flash * backward
             total.curve_s = total.curve_s + flash * (forward + backward)  # no table of fused kernels yet
     if fp8:
         forward, backward = fp8_cast_times(device, gemms)
@@ -283,6 +286,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
         if op.name in CORE_MEMORY_OPS:  # inside the fused kernel, in on-chip memory
             time, backward = unfused * time, unfused * backward
             total.core_time_s = total.core_time_s + time
+            total.core_backward_s = total.core_backward_s + backward
         total.time_s = total.time_s + time
         total.backward_s = total.backward_s + backward
         total.curve_s = total.curve_s + forward_share * time + backward_share * backward

@@ -13,6 +13,7 @@ import numpy as np
 
 from perfsim.cost import counts, fp8
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
 from perfsim.spec.model import ModelSpec
@@ -120,7 +121,10 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     """Bytes by kind on one device of the first (or last) stage; `second`: the second stage, the
     middle stage with the most micro-batches in flight (1F1B: pp - 1), which an uneven split may
     give more layers than the first (docs/equations.md 9.4)."""
-    b, t, dp, p = c.mbs, c.tp, c.dp, c.pp
+    # A context-parallel rank holds s/cp tokens of each of mbs sequences: the tokens of mbs/cp whole
+    # sequences, and (causal load balancing) their attention scores too, so every per-token tensor
+    # below is that of b = mbs/cp; ZeRO shards over the dp-cp group (docs/equations.md 11.6).
+    b, t, dp, p = c.mbs / c.cp, c.tp, c.dp_cp, c.pp
     s, h = model.seq, model.hidden
     fw = system.framework
     stage = "middle" if second else "last" if last_stage else "first"
@@ -155,6 +159,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
 
     buffers = np.where(p > 1, 2 * BF16 * s * b * h / t, 0)  # pipeline receive buffers
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
+    buffers = buffers + ring_attention_buffer_bytes(model, c)
     # the bf16 logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
     buffers = buffers + np.where(last, BF16 * s * b * vocab / t, 0)
     shard = weight_shard(c.tp_mode, t, c.tp_depth)
@@ -173,6 +178,13 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     total = weights + grads + optimizer + activations + buffers
     return {"weights": weights, "gradients": grads, "optimizer": optimizer,
             "activations": activations, "buffers": buffers, "total": total}
+
+
+def ring_attention_buffer_bytes(model: ModelSpec, c: Columns):
+    """Receive buffers of ring attention (cp > 1), at their backward peak: the key/value block a
+    rank computes with and the one arriving, and likewise two blocks of their gradients; a block
+    is the (s/cp) x (kv heads / tp) x head_dim keys and values of the micro-batch, in bf16."""
+    return np.where(c.cp > 1, 4 * kv_block_bytes(model, c.mbs, c.cp, c.tp), 0.0)
 
 
 def allocated_bytes(total, framework):

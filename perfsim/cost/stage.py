@@ -15,7 +15,8 @@ import numpy as np
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
-from perfsim.cost.columns import FULL, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
 from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_rate, gemm_time,
                                 head_memory_ops, layer_memory_ops, work)
@@ -32,19 +33,21 @@ class StageTime:
     compute: object = 0.0
     recompute: object = 0.0
     tp_comm: object = 0.0
+    cp_comm: object = 0.0  # ring attention (context parallelism) not hidden behind the attention blocks
     pp_comm: object = 0.0
     dp_comm: object = 0.0  # ZeRO-3 gathers not hidden behind compute
-    backward: object = 0.0  # part of compute + recompute + tp_comm spent in backward
+    backward: object = 0.0  # part of compute + recompute + tp_comm + cp_comm spent in backward
     forward_compute: object = 0.0  # part of compute spent in forward
     forward_tp: object = 0.0  # part of tp_comm spent in forward (not recomputation)
+    forward_cp: object = 0.0  # part of cp_comm spent in forward (not recomputation)
     weight_grad: object = 0.0  # weight-gradient GEMMs inside the backward compute
     curve: object = 0.0  # part of compute + recompute priced by the parametric curves alone (cost/measured.py)
 
-    KINDS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm")
+    KINDS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm")
 
     @property
     def total(self):
-        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.dp_comm
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm
 
     def kinds(self) -> dict:
         return {k: getattr(self, k) for k in self.KINDS}
@@ -61,12 +64,14 @@ class StageCosts:
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
     dev, comm = system.device, CommModel(system)
-    b, t, p = c.mbs, c.tp, c.pp
+    # a context-parallel rank's work is that of mbs/cp whole sequences (its s/cp tokens of each, and
+    # by causal load balancing 1/cp of their attention): every per-token cost below takes b = mbs/cp
+    b, t, p = c.mbs / c.cp, c.tp, c.pp
     strides = c.strides
     layout = tpc.layout_of(model, c)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
-    gemms = tpc.layer_gemms(layout, model, b)
+    gemms = tpc.layer_gemms(layout, model, b, c.cp)
     layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split), c.flash,
                  c.fp8)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
@@ -83,12 +88,18 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     recompute = np.where(c.recompute == FULL, layer.time_s + host_fwd,
                          np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
+    # ring attention beside the attention blocks; recomputation (full or selective) runs the
+    # attention core again, and its ring with it
+    layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s)
+    recompute_cp = np.where(c.recompute == NONE, 0.0, layer_cp_fwd)
     n = 1.0  # `middle` is one layer until each stage takes its own count of layers below (_times)
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
-                       backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp),
+                       cp_comm=n * (layer_cp_fwd + layer_cp_bwd + recompute_cp),
+                       backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp
+                                     + layer_cp_bwd + recompute_cp),
                        forward_compute=n * (layer.time_s + host_fwd), forward_tp=n * layer_tp_fwd,
-                       weight_grad=n * layer.weight_grad_s)
+                       forward_cp=n * layer_cp_fwd, weight_grad=n * layer.weight_grad_s)
     # recomputation repeats the layer's kernels: it rests on the curves in the layer's proportion
     middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * (middle.compute + middle.recompute)
 
@@ -152,7 +163,8 @@ def layer_host_overhead(system: System, c: Columns):
 def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
     """`stage` with the embedding or the head added."""
     return StageTime(compute=stage.compute + extra.time_s + extra.backward_s, recompute=stage.recompute,
-                     tp_comm=stage.tp_comm + tp_forward + tp_backward, pp_comm=stage.pp_comm, dp_comm=stage.dp_comm,
+                     tp_comm=stage.tp_comm + tp_forward + tp_backward, cp_comm=stage.cp_comm, pp_comm=stage.pp_comm,
+                     dp_comm=stage.dp_comm, forward_cp=stage.forward_cp,
                      backward=stage.backward + extra.backward_s + tp_backward,
                      forward_compute=stage.forward_compute + extra.time_s, forward_tp=stage.forward_tp + tp_forward,
                      weight_grad=stage.weight_grad + extra.weight_grad_s, curve=stage.curve + extra.curve_s)

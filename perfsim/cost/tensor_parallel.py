@@ -160,11 +160,16 @@ def layer_linears(model: ModelSpec):
             ("fc1", h, 2 * f if model.gated_mlp else f, True), ("fc2", f, h, False))
 
 
-def layer_gemms(layout: Layout, model: ModelSpec, b) -> list[Gemm]:
+def layer_gemms(layout: Layout, model: ModelSpec, b, cp=1) -> list[Gemm]:
+    """The GEMMs of one layer on one device for `b` sequences' worth of tokens. With context
+    parallelism b is mbs/cp (a rank's s/cp tokens of each of mbs sequences, and by causal load
+    balancing 1/cp of their attention) and the attention products are cut into the ring's
+    blocks: cp x cp blocks of (s/cp) x (s/cp) per sequence-head of the b (docs/equations.md 11.2)."""
     tokens, s = b * model.seq, model.seq
     gemms = [linear_gemm(layout, name, tokens, h_in, h_out, col) for name, h_in, h_out, col in layer_linears(model)]
     heads = b * model.heads / layout.size  # whole sequences, heads / P of them, in every mode
-    gemms += [Gemm("scores", heads, s, s, model.head_dim), Gemm("context", heads, s, model.head_dim, s)]
+    blocks, block = heads * cp * cp, s / cp
+    gemms += [Gemm("scores", blocks, block, block, model.head_dim), Gemm("context", blocks, block, model.head_dim, block)]
     return gemms
 
 

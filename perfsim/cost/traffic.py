@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
+from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.data_parallel import zero3_gathers
 from perfsim.cost.layer import BF16
 from perfsim.cost.memory import stage_params
@@ -22,7 +23,7 @@ def tp_collectives(model: ModelSpec, plan: Plan) -> tuple:
     """(layout, one layer's collectives, the embedding's and head's) of one micro-batch, forward
     and backward, the layer's forward once more under full recomputation."""
     layout = tpc.layout_of(model, columns_of(plan))
-    b, vocab = plan.mbs, model.padded_vocab(plan.tp)
+    b, vocab = plan.mbs / plan.cp, model.padded_vocab(plan.tp)  # a context-parallel rank's mbs/cp sequences' worth
     fwd, bwd = tpc.layer_collectives(layout, model, b)
     layer = fwd + bwd + (fwd if plan.recompute == "full" else [])
     edges = [x for pair in (tpc.embedding_collectives(layout, model, b), tpc.head_collectives(layout, model, b, vocab))
@@ -31,11 +32,11 @@ def tp_collectives(model: ModelSpec, plan: Plan) -> tuple:
 
 
 def _tp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
-    """Bytes one tensor-parallel group sends for one micro-batch through every layer, the
-    embedding and the head (all members together)."""
+    """Bytes the tensor-parallel groups of one micro-batch send through every layer, the embedding
+    and the head (all members together; cp groups with context parallelism)."""
     layout, layer, edges = tp_collectives(model, plan)
     member = model.layers * tpc.collectives_sent_bytes(layout, layer) + tpc.collectives_sent_bytes(layout, edges)
-    return plan.tp * float(member)
+    return plan.tp * plan.cp * float(member)
 
 
 def _pp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
@@ -56,7 +57,7 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
     collective kind (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight
     all-gather; ZeRO-2 a reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch
     two weight all-gathers (DeepSpeed: three with full recomputation) and a reduce-scatter)."""
-    d = plan.dp
+    d = plan.dp * plan.cp  # gradients are reduced over data and context parallelism together
     if d == 1:
         return {}
     grads = system.framework.grad_bytes_per_param * params
@@ -72,16 +73,27 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
     return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: float(zero3_gathers(system, columns_of(plan))) * m * ag}
 
 
+def _cp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+    """Key/value blocks ring attention passes for one micro-batch (context_parallel.py): every
+    rank of every layer sends cp - 1 blocks forward, and cp - 1 blocks with their gradients
+    backward; recomputation (full or selective) runs the forward ring again."""
+    if plan.cp == 1:
+        return 0.0
+    passes = 3 + (plan.recompute != "none")
+    return model.layers * plan.tp * plan.cp * (plan.cp - 1) * passes * kv_block_bytes(model, plan.mbs, plan.cp, plan.tp)
+
+
 def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:
-    """{"tp", "pp", "dp", "total"}: bytes the whole job sends in one step."""
+    """{"tp", "cp", "pp", "dp", "total"}: bytes the whole job sends in one step."""
     m = plan.microbatches
     tp = plan.dp * m * _tp_per_microbatch(model, plan)  # every layer once per pipeline
-    pp = plan.dp * m * _pp_per_microbatch(model, plan)
+    pp = plan.dp * m * _pp_per_microbatch(model, plan)  # linear in the tokens: cp ranks send 1/cp each
+    cp = plan.dp * m * _cp_per_microbatch(model, plan)
     c = columns_of(plan)
     per_stage = [float(stage_params(model, c, s)) for s in ("first", "middle", "last")]
     stages = per_stage[:1] if plan.pp == 1 else [per_stage[0]] + [per_stage[1]] * (plan.pp - 2) + [per_stage[2]]
-    dp = plan.tp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p).values()) for p in stages)
+    dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p).values()) for p in stages)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
-        pp += plan.tp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
-    return {"tp": tp, "pp": pp, "dp": dp, "total": tp + pp + dp}
+        pp += plan.tp * plan.cp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "total": tp + cp + pp + dp}

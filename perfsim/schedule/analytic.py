@@ -26,7 +26,7 @@ from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other")
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other")
 
 
 def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) -> tuple:
@@ -48,7 +48,7 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     kinds = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in stages.first.KINDS}
     slow = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in ("backward", "forward_compute", "forward_tp")}
-    breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
+    breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm")}
     # Exactly zero without a pipeline; never negative from rounding.
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]

@@ -47,8 +47,9 @@ ZERO_BUBBLE_ONE_CHUNK = "zb-h1 has one chunk per stage: leave out --vpp and --sc
 # Kinds of time (the breakdown keys, less pp_bubble) and the timeline rows they are drawn on.
 COMPUTE, RECOMPUTE, TP, PP, DP, OPTIMIZER, OTHER = "compute", "recompute", "tp_comm", "pp_comm", "dp_comm", \
     "optimizer", "other"
-LANES = ("compute", "tp", "pp", "dp")
-LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0}
+CP = "cp_comm"  # ring attention's exposed waits, on the compute stream (context parallelism)
+LANES = ("compute", "tp", "pp", "dp", "cp")
+LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0, CP: 4}
 # Traffic classes: transfers of one class never slow each other down further (engine.py).
 PP_FORWARD, PP_BACKWARD, DP_TRAFFIC, TP_TRAFFIC, TIED_TRAFFIC = 1, 2, 3, 4, 5
 
@@ -71,8 +72,11 @@ class StepCosts:
     backward_tp: dict
     weight_grad: dict        # the weight-gradient part of backward_compute (W of zb-h1)
     hop_s: float             # one pipeline send
-    dp: int = 1
+    dp: int = 1              # the group gradients are reduced over: dp x cp
     zero: int = 0
+    forward_cp: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))  # ring attention's
+    backward_cp: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))  # exposed waits (backward:
+    # recomputation's included)
     dp_overlap: float = 0.0
     reduction_rest: dict = field(default_factory=dict)     # ZeRO-0/1, after the last backward
     reduction_bucket: dict = field(default_factory=dict)   # ZeRO-0/1, one bucket during it
@@ -113,7 +117,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     from perfsim.spec.plan import SCHEDULES as PLAN_SCHEDULES
 
     f = lambda x: float(np.asarray(x))  # noqa: E731
-    p, v, m, dp = int(c.pp), int(c.vpp), int(c.microbatches), int(c.dp)
+    p, v, m, dp = int(c.pp), int(c.vpp), int(c.microbatches), int(c.dp_cp)
     schedule = schedule or PLAN_SCHEDULES[int(c.schedule)]
     comm = TopologyCommModel(system)
     times = dict(zip(POSITIONS, (stages.first, stages.middle, stages.last)))
@@ -135,6 +139,8 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         backward_compute=per(lambda k: times[k].compute - parts[k].forward_compute),
         backward_tp=per(lambda k: times[k].tp_comm - parts[k].forward_tp),
         weight_grad=per(lambda k: parts[k].weight_grad),
+        forward_cp=per(lambda k: times[k].forward_cp),
+        backward_cp=per(lambda k: times[k].cp_comm - times[k].forward_cp),
         hop_s=f(stages.middle.pp_comm) / (2 * v) if p > 1 else 0.0,
         dp=dp, zero=zero, dp_overlap=o, recompute_full=int(c.recompute) == 2,
         overhead_s=float(system.framework.step_overhead_s),
@@ -190,7 +196,7 @@ def _place(costs: StepCosts, system: System, c: Columns) -> None:
     nics: dict = {}
     costs.nic = [nics.setdefault((r // D, nic_of(system, r % D)), len(nics)) for r in rank]
     costs.pp_cross = [node[i] != node[(i + 1) % p] for i in range(p)]
-    costs.dp_cross = [(r + (dp - 1) * s["dp"]) // D != r // D for r in rank]
+    costs.dp_cross = [(r + (dp - 1) * s["dp_cp"]) // D != r // D for r in rank]
     costs.tp_cross = [(r + (tp - 1) * s["tp"]) // D != r // D for r in rank]
     costs.tied_cross = node[0] != node[-1]
 
@@ -269,9 +275,10 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         tp_f, tp_b = part(k.forward_tp, chunk), part(k.backward_tp, chunk)
         pos = _position(i, p)
         parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
-                     (TP, 0.0 if split else tp_f)],
+                     (CP, part(k.forward_cp, chunk)), (TP, 0.0 if split else tp_f)],
                  B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
-                     (COMPUTE, part(k.backward_compute, chunk) - wg), (TP, 0.0 if split else tp_b)],
+                     (COMPUTE, part(k.backward_compute, chunk) - wg), (CP, part(k.backward_cp, chunk)),
+                     (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():
             segments = tuple((x, d) for x, d in segs if d > 0.0) or ((COMPUTE, 0.0),)

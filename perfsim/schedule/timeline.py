@@ -1,10 +1,11 @@
 """A simulated step as a picture: a Chrome trace (opens in Perfetto or chrome://tracing) and a
 self-contained Plotly Gantt chart (docs/simulator.md, section 5).
 
-Each stage is one process (trace) or a group of rows (chart) with four rows: the compute stream
-(forward, backward, recomputation, weight gradient, optimizer), its tensor-parallel collectives,
-its blocking pipeline sends, and data-parallel traffic (the data-parallel stream's prefetches and
-gradient buckets, and the weight all-gather after the optimizer).
+Each stage is one process (trace) or a group of rows (chart) with up to five rows: the compute
+stream (forward, backward, recomputation, weight gradient, optimizer), its tensor-parallel
+collectives, its blocking pipeline sends, data-parallel traffic (the data-parallel stream's
+prefetches and gradient buckets, and the weight all-gather after the optimizer), and the ring
+attention waits of context parallelism.
 
 Large steps are cut down so that files stay small: the chart first draws one bar per task instead
 of one per segment (a pass with its TP collective and its send is one bar, coloured by its main
@@ -21,7 +22,7 @@ from perfsim.schedule.simulator import LANE_OF, LANES, SimResult
 TRACE_EVENTS = 150_000   # about 15 MB of JSON
 CHART_BARS = 25_000      # a browser still pans and zooms such a chart smoothly
 
-KIND_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "pp_comm": "#54a24b",
+KIND_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
                 "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d"}
 
 
@@ -36,6 +37,8 @@ def _name(label, kind: str | None = None) -> str:
             return f"recompute {name}"
         if kind == "tp_comm":
             return f"tp {name}"
+        if kind == "cp_comm":
+            return f"ring {name}"
         if kind == "pp_comm":
             return f"send {name}"
         return name

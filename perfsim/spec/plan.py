@@ -51,10 +51,11 @@ class Plan:
     # --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers)
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention, causal load balancing)
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def microbatches(self) -> int:
@@ -68,17 +69,26 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def ranks_order(order: str) -> str:
+    """`order` with context parallelism in its place: right after tp, as in Megatron-Core's
+    tp-cp-ep-dp-pp. An order names three dimensions; cp takes no place of its own in it, so that
+    "tp-dp-pp" means "tp-cp-dp-pp" (docs/equations.md 11.1)."""
+    return order.replace("tp", "tp-cp", 1)
+
+
 def stack_words(plan: Plan) -> str:
-    """The plan's choices of today's stacks in words, "" for none (unfused attention, nothing
-    overlapped): "flash attention, TP overlap, DP overlap"."""
-    words = ["flash attention"] if plan.attention == "flash" else []
+    """The plan's choices of today's stacks in words, "" for none (no context parallelism, unfused
+    attention, nothing overlapped): "CP 4, flash attention, TP overlap, DP overlap"."""
+    words = [f"CP {plan.cp}"] if plan.cp > 1 else []
+    words += ["flash attention"] if plan.attention == "flash" else []
     words += [f"{name} overlap" for name, on in (("TP", plan.tp_overlap), ("DP", plan.dp_overlap)) if on]
     return ", ".join(words)
 
 
 def canonical_order(order: str, tp: int, dp: int, pp: int, orders=ORDERS) -> str:
     """The first of `orders` that numbers the ranks as `order` does. A dimension of size 1 takes
-    no place in the numbering, so orders that differ only in where it sits are one layout."""
+    no place in the numbering, so orders that differ only in where it sits are one layout. With
+    context parallelism pass tp x cp as `tp`: cp sits right after tp, the two one block."""
     sizes = {"tp": tp, "dp": dp, "pp": pp}
 
     def placed(o: str) -> list:
@@ -90,9 +100,11 @@ def canonical_order(order: str, tp: int, dp: int, pp: int, orders=ORDERS) -> str
 def canonical(plan: Plan) -> Plan:
     """`plan` with the choices that change nothing written one way, so that equal plans compare
     equal: the place of size-1 dimensions in the rank order, and the ZeRO stage and the overlap of
-    data-parallel communication without data parallelism (one replica has nothing to shard or send)."""
-    return plan.replace(order=canonical_order(plan.order, plan.tp, plan.dp, plan.pp),
-                        zero=plan.zero if plan.dp > 1 else 0, dp_overlap=plan.dp_overlap and plan.dp > 1)
+    data-parallel communication without data or context parallelism (one replica has nothing to
+    shard or send)."""
+    replicas = plan.dp * plan.cp  # the group gradients are reduced over (and ZeRO shards over)
+    return plan.replace(order=canonical_order(plan.order, plan.tp * plan.cp, plan.dp, plan.pp),
+                        zero=plan.zero if replicas > 1 else 0, dp_overlap=plan.dp_overlap and replicas > 1)
 
 
 def device_count_problem(devices: int) -> str | None:
@@ -106,7 +118,7 @@ def device_count_problem(devices: int) -> str | None:
 def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> list[str]:
     """Every reason `plan` cannot train `model` (on `devices` devices, when given); empty if none."""
     reasons = []
-    for name in ("tp", "tp_depth", "pp", "vpp", "dp", "mbs", "gbs"):
+    for name in ("tp", "tp_depth", "cp", "pp", "vpp", "dp", "mbs", "gbs"):
         value = getattr(plan, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             reasons.append(f"{name} must be a positive whole number, got {value!r}")
@@ -115,7 +127,7 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
     if reasons:
         return reasons
     if plan.devices > LARGEST_DEVICE_COUNT:
-        return [f"tp x pp x dp = {device_count_problem(plan.devices)}"]
+        return [f"{device_product(plan, values=False)} = {device_count_problem(plan.devices)}"]
     if plan.tp_mode not in TP_MODES:
         reasons.append(f"tp_mode must be one of {', '.join(TP_MODES)}, got {plan.tp_mode!r}")
     else:
@@ -150,8 +162,11 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
             reasons.append(f"tp {plan.tp} must divide the {model.kv_head_count} key/value heads")
         if model.ffn_size % plan.tp:
             reasons.append(f"tp {plan.tp} must divide the MLP width {model.ffn_size}")
-        if plan.sp and model.seq % plan.tp:
-            reasons.append(f"with --sp, tp {plan.tp} must divide the sequence length {model.seq}")
+        if plan.sp and model.seq % (plan.tp * plan.cp):
+            tokens = f"the {model.seq} / cp {plan.cp} tokens of a context-parallel rank" if plan.cp > 1 \
+                else f"the sequence length {model.seq}"
+            reasons.append(f"with --sp, tp {plan.tp} must divide {tokens}")
+    reasons += context_parallel_problems(plan, model)
     split = pipeline_split_problems(plan, model)
     reasons += split
     if model.layers % (plan.pp * plan.vpp) and not split and not uneven(plan):
@@ -169,7 +184,28 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
     elif plan.schedule == "interleaved" and plan.microbatches % plan.pp:
         reasons.append(f"the interleaved schedule needs the {plan.microbatches} micro-batches to be a multiple of pp {plan.pp}")
     if devices is not None and devices != plan.devices:
-        reasons.append(f"tp x pp x dp = {plan.tp} x {plan.pp} x {plan.dp} = {plan.devices} does not match the {devices} devices")
+        reasons.append(f"{device_product(plan)} = {plan.devices} does not match the {devices} devices")
+    return reasons
+
+
+def device_product(plan: Plan, values: bool = True) -> str:
+    """"tp x pp x dp = 8 x 4 x 2" (cp named only where the plan has it)."""
+    names = ("tp", "cp", "pp", "dp") if plan.cp != 1 else ("tp", "pp", "dp")
+    text = " x ".join(names)
+    return f"{text} = {' x '.join(str(getattr(plan, n)) for n in names)}" if values else text
+
+
+def context_parallel_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Why `plan`'s context parallelism cannot split `model`'s sequences (docs/equations.md 11.1)."""
+    if plan.cp == 1:
+        return []
+    reasons = []
+    if plan.tp_mode != "1d":
+        reasons.append(f"context parallelism (--cp) runs beside 1d tensor parallelism only, as in Megatron-Core; "
+                       f"got --tp-mode {plan.tp_mode}")
+    if model.seq % (2 * plan.cp):
+        reasons.append(f"cp {plan.cp} needs the sequence length {model.seq} to be a multiple of 2 x cp = "
+                       f"{2 * plan.cp} (causal load balancing cuts each sequence into 2 x cp chunks)")
     return reasons
 
 

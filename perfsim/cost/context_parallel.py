@@ -1,0 +1,48 @@
+"""Context parallelism: ring attention over the sequence (docs/equations.md section 11).
+
+cp ranks share each sequence. With causal load balancing (Megatron-Core, Transformer Engine) the
+sequence is cut into 2 cp chunks and rank i holds chunks i and 2cp-1-i, so every rank has s/cp
+tokens and an equal 1/cp of the causal attention work. The linears, norms and element-wise ops
+run on the rank's tokens alone; attention needs every earlier key and value, so the ranks pass
+their key/value blocks around a ring of cp: per layer, forward, cp-1 steps each sending a block of
+(s/cp) tokens x (kv heads / tp) x head_dim, keys and values, in bf16 (GQA sends only the key/value
+heads), while the rank computes attention with the block it already has; backward passes the
+blocks again together with their gradients (twice the bytes) beside the backward of each block.
+A step's transfer hides behind its block of attention; what it outlasts it by is exposed
+(`overlap.ring_exposure`). The cp groups sit right after tp in the rank order (spec.plan.ranks_order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfsim.cost.layer import BF16
+from perfsim.cost.overlap import ring_exposure
+from perfsim.spec.model import ModelSpec
+
+
+def kv_block_bytes(model: ModelSpec, mbs, cp, tp):
+    """Bytes of one key/value block a rank passes on: keys and values of its s/cp tokens of each
+    of the mbs sequences, for the tp-th share of the key/value heads."""
+    return 2 * BF16 * mbs * model.seq / cp * model.kv_hidden / tp
+
+
+def ring_step_times(comm, model: ModelSpec, c) -> tuple:
+    """(forward, backward) seconds of one ring step: every rank sends its block to the next rank
+    of its cp group and receives one from the previous, all groups at once (one step of the flat
+    ring over (cp, its stride)); backward sends the block and its gradient."""
+    block = kv_block_bytes(model, c.mbs, c.cp, c.tp)
+    bandwidth, latency = comm.link(c.cp, c.strides["cp"])
+    return block / bandwidth + latency, 2 * block / bandwidth + latency
+
+
+def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backward_s) -> tuple:
+    """(forward, backward) exposed seconds of one layer's ring attention per micro-batch on one
+    device: cp-1 steps each way, each beside 1/cp of the attention core's forward (backward)
+    time (`core_forward_s`, `core_backward_s`: the rank's whole attention core, all blocks);
+    0 without context parallelism."""
+    forward_step, backward_step = ring_step_times(comm, model, c)
+    steps = c.cp - 1
+    forward = ring_exposure(forward_step, core_forward_s / c.cp, steps)
+    backward = ring_exposure(backward_step, core_backward_s / c.cp, steps)
+    return np.where(c.cp > 1, forward, 0.0), np.where(c.cp > 1, backward, 0.0)
