@@ -3,8 +3,10 @@ the invalid ones by reason, evaluate the rest in vectorised batches, rank the on
 
 The space: tensor-parallel mode and size (1d with and without SP, 2d, 2.5d with every depth,
 3d keeping or re-gathering), pipeline size, schedule (GPipe, 1F1B, interleaved with every chunk
-count), data-parallel size (the rest of the devices), ZeRO stage, micro-batch size (divisors of
-the global batch), recomputation, attention kernel (unfused or flash), and rank placement order.
+count), context-parallel size (1d only, sequences of CONTEXT_PARALLEL_FROM tokens or more: see
+`_context_sizes`), data-parallel size (the rest of the devices), ZeRO stage, micro-batch size
+(divisors of the global batch), recomputation, attention kernel (unfused or flash), and rank
+placement order.
 Overlapped communication (dp_overlap with data parallelism, tp_overlap with 1d + SP) is never slower
 in the model and changes no memory, so it is not a dimension of the space: a plan overlaps wherever
 it can unless --fix turns it off. Validity rules are the vectorised twins of
@@ -28,13 +30,17 @@ from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
 from perfsim.spec.system import System
 
-INT_KNOBS = ("tp", "tp_depth", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers")
+INT_KNOBS = ("tp", "tp_depth", "cp", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers")
 BOOL_KNOBS = ("sp", "tp_regather", "dp_overlap", "tp_overlap")
 TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS,
               "attention": ATTENTION}
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
 MOST_CANDIDATES = 10_000_000  # before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
+# Sequences from which the search tries context parallelism unasked (--fix cp=... tries it at any
+# length): below, a rank's attention blocks are too short to hide the ring's transfers and the
+# activations it divides rarely decide whether a plan fits (Megatron-Core and NeMo use it from 8k).
+CONTEXT_PARALLEL_FROM = 8192
 
 
 class WholeNumbers:
@@ -131,6 +137,18 @@ def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
             and ("tp_regather" not in fixes or c[4] in fixes["tp_regather"])]
 
 
+def _context_sizes(model: ModelSpec, mode: str, devices_left: int, fixes: dict) -> list[int]:
+    """Context-parallel sizes to try beside a tensor-parallel layout leaving `devices_left`
+    devices: 1, and with 1d tensor parallelism the divisors of devices_left that cut the sequence
+    into 2 cp equal chunks, for sequences of CONTEXT_PARALLEL_FROM tokens or more; --fix cp=...
+    tries its values at any length (those the sequence does not allow are rejected with a reason)."""
+    if "cp" in fixes:
+        return [cp for cp in _divisors(devices_left) if cp in fixes["cp"] and (cp == 1 or mode == "1d")]
+    if mode != "1d" or model.seq < CONTEXT_PARALLEL_FROM:
+        return [1]
+    return [cp for cp in _divisors(devices_left) if model.seq % (2 * cp) == 0 or cp == 1]
+
+
 def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
     """(schedule index, vpp): GPipe and 1F1B, and interleaved with every chunk count dividing the
     stage. With one stage there is no pipeline: GPipe's order only keeps more micro-batches alive
@@ -166,8 +184,8 @@ def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[t
 
 def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode.
-    Without data parallelism the ZeRO stage changes nothing (one replica has nothing to shard), so
-    such plans come once, with the lowest stage --fix allows."""
+    Without data or context parallelism the ZeRO stage changes nothing (one replica has nothing to
+    shard), so such plans come once, with the lowest stage --fix allows."""
     zeros = allowed_values(fixes, "zero", (0, 1, 2, 3))
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
     kernels = [ATTENTION.index(a) for a in allowed_values(fixes, "attention", ATTENTION)]
@@ -176,32 +194,33 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     by_mode: dict = {}
     count = 0
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
-        for pp in allowed_values(fixes, "pp", _divisors(devices // tp)):
-            dp = devices // (tp * pp)
+        for cp, pp in ((cp, pp) for cp in _context_sizes(model, mode, devices // tp, fixes)
+                       for pp in allowed_values(fixes, "pp", _divisors(devices // (tp * cp)))):
+            dp = devices // (tp * cp * pp)
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue
             schedules = _schedules(model, pp, fixes)
             splits = {vpp: _pipeline_splits(model, pp, vpp, fixes) for _, vpp in schedules}
-            count += sum(len(splits[vpp]) for _, vpp in schedules) * len(mbs_all) * (len(zeros) if dp > 1 else 1) * len(recomputes) * len(kernels)
+            count += sum(len(splits[vpp]) for _, vpp in schedules) * len(mbs_all) * (len(zeros) if dp * cp > 1 else 1) * len(recomputes) * len(kernels)
             if count > MOST_CANDIDATES:
                 raise PerfsimError(f"the search space for {devices:,} devices and global batch {gbs:,} holds more than "
                                    f"{MOST_CANDIDATES:,} candidate plans (the most perfsim searches); narrow it with "
                                    "--fix, e.g. --fix tp=1..8 --fix mbs=1..4 --fix zero=1")
             for (schedule, vpp), mbs in itertools.product(schedules, mbs_all):
                 for first, last in splits[vpp]:
-                    by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs,
+                    by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs, cp,
                                                          first, last))
     for mode, rows in by_mode.items():
         head = np.array(rows, dtype=float)
         inner = np.array(list(itertools.product(zeros, recomputes, kernels)), dtype=float).reshape(-1, 3)
         table = np.repeat(head, len(inner), axis=0)
         tail = np.tile(inner, (len(head), 1))
-        cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs",
+        cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs", "cp",
                          "first_layers", "last_layers"), table.T))
         cols.update(zero=tail[:, 0], recompute=tail[:, 1], flash=tail[:, 2], gbs=np.full(len(table), float(gbs)),
-                    dp_overlap=overlap["dp_overlap"] * (cols["dp"] > 1),
+                    dp_overlap=overlap["dp_overlap"] * (cols["dp"] * cols["cp"] > 1),
                     tp_overlap=overlap["tp_overlap"] * (cols["sp"] == 1) * (mode == "1d"))
-        keep = (cols["dp"] > 1) | (cols["zero"] == zeros[0])
+        keep = (cols["dp"] * cols["cp"] > 1) | (cols["zero"] == zeros[0])
         yield mode, {k: v[keep] for k, v in cols.items()}
 
 
@@ -218,7 +237,8 @@ def valid_batches(cols: dict, rows: dict, invalid: np.ndarray):
 def order_rows(cols: dict, orders) -> dict:
     """For each rank order of `orders`, the rows (a mask) it is a candidate for: orders that differ
     only in where size-1 dimensions sit number the ranks alike, so a row takes the first of them."""
-    sizes = [np.asarray(cols[d]) > 1 for d in DIMENSIONS]
+    block = {"tp": np.asarray(cols["tp"]) * np.asarray(cols["cp"])}  # cp rides right after tp
+    sizes = [block.get(d, np.asarray(cols[d])) > 1 for d in DIMENSIONS]
     pattern = sum(big.astype(int) << k for k, big in enumerate(sizes))
     rows = {}
     for order in orders:
@@ -237,7 +257,10 @@ def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str
         reasons.append(("tp does not divide the attention heads", (model.heads % tp != 0)
                         | (model.kv_head_count % tp != 0)))
         reasons.append(("tp does not divide the MLP width", model.ffn_size % tp != 0))
-        reasons.append(("sequence parallelism: tp does not divide the sequence", (cols["sp"] == 1) & (model.seq % tp != 0)))
+        reasons.append(("sequence parallelism: tp does not divide the sequence",
+                        (cols["sp"] == 1) & (model.seq % (tp * cols["cp"]) != 0)))
+        reasons.append(("context parallelism: the sequence is not a multiple of 2 x cp",
+                        (cols["cp"] > 1) & (model.seq % (2 * cols["cp"]) != 0)))
     else:
         depth = cols["tp_depth"]
         q = np.rint(np.cbrt(tp)) if mode == "3d" else np.rint(np.sqrt(tp / depth))
@@ -280,7 +303,7 @@ def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
                 dp=int(cols["dp"][i]), zero=int(cols["zero"][i]), mbs=int(cols["mbs"][i]), gbs=int(cols["gbs"][i]),
                 recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]),
                 attention=ATTENTION[int(cols["flash"][i])], dp_overlap=bool(cols["dp_overlap"][i]),
-                tp_overlap=bool(cols["tp_overlap"][i]),
+                tp_overlap=bool(cols["tp_overlap"][i]), cp=int(cols["cp"][i]),
                 first_stage_layers=int(cols["first_layers"][i]), last_stage_layers=int(cols["last_layers"][i]))
 
 
@@ -289,7 +312,7 @@ def to_columns(mode: str, order: str, cols: dict) -> Columns:
     return Columns(tp=cols["tp"], pp=cols["pp"], dp=cols["dp"], vpp=cols["vpp"], mbs=cols["mbs"], gbs=cols["gbs"],
                    sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
                    tp_depth=cols["tp_depth"], regather=cols["regather"], flash=cols["flash"],
-                   dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"],
+                   dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"], cp=cols["cp"],
                    first_layers=cols["first_layers"], last_layers=cols["last_layers"], tp_mode=mode, order=order)
 
 

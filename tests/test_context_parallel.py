@@ -3,11 +3,12 @@ sequence with causal load balancing, beside 1d tensor parallelism.
 
 Hand counts: a rank's work is that of mbs/cp whole sequences (its FLOPs and activations), the
 key/value block it passes, the exposed ring time (cp - 1) max(0, transfer - block), the dp-cp
-gradient group; both engines agree.
+gradient group; both engines agree; the search turns to cp where nothing else fits.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from perfsim import cli
@@ -25,8 +26,9 @@ from perfsim.cost.traffic import step_sent_bytes
 from perfsim.errors import PerfsimError
 from perfsim.predict import predict
 from perfsim.schedule.simulator import predict_simulated
+from perfsim.search import WholeNumbers, order_rows, search
 from perfsim.spec.model import load_model
-from perfsim.spec.plan import Plan, canonical, plan_problems
+from perfsim.spec.plan import ORDERS, Plan, canonical, plan_problems
 from perfsim.spec.system import load_system
 
 # Llama-3-8B's shape (GQA: 8 key/value heads of 32) at a long sequence
@@ -143,10 +145,13 @@ def test_cp_sits_right_after_tp_in_every_rank_order():
 
 def test_orders_that_differ_only_by_size_1_dimensions_are_one_but_cp_takes_its_place():
     """With tp 1 and cp 2 the tensor block (tp x cp) has size 2: tp-dp-pp and dp-tp-pp lay the
-    ranks out differently."""
+    ranks out differently, and the search keeps both."""
     assert canonical(Plan(cp=2, dp=2, order="dp-tp-pp")).order == "dp-tp-pp"
     assert canonical(Plan(cp=2, dp=2, order="dp-pp-tp")).order == "dp-tp-pp"
     assert canonical(Plan(dp=2, order="dp-tp-pp")).order == "tp-dp-pp"
+    cols = {"tp": np.array([1.0]), "cp": np.array([2.0]), "dp": np.array([2.0]), "pp": np.array([1.0])}
+    rows = order_rows(cols, ORDERS)
+    assert sorted(o for o, mask in rows.items() if mask[0]) == sorted(["tp-dp-pp", "dp-tp-pp"])
     # without data parallelism, ZeRO and dp_overlap still mean something over the cp ranks
     assert canonical(Plan(cp=2, zero=1, dp_overlap=True)).zero == 1
 
@@ -235,3 +240,21 @@ def test_predict_derives_dp_from_tp_cp_pp_and_reports_cp(capsys):
     assert cli.main(["predict", "--model", f"{LLAMA},seq=16384", "--system", "dgx-h100", "--devices", "16",
                      "--tp", "2", "--sp", "--cp", "4"]) == 0
     assert "CP 4" in capsys.readouterr().out
+
+
+def test_search_turns_to_cp_where_no_plan_without_it_fits():
+    """Llama-3-8B at 128k tokens on one DGX H100 with tensor parallelism within GPU pairs: no plan
+    without context parallelism fits in 80 GB; the search finds one with it."""
+    model = load_model(f"{LLAMA},seq=131072")
+    pairs = {"tp": WholeNumbers((range(1, 3),))}
+    with pytest.raises(PerfsimError, match="fits in device memory"):
+        search(model, H100, 8, 8, pairs | {"cp": WholeNumbers((range(1, 2),))})
+    best = search(model, H100, 8, 8, pairs, top=3)
+    assert best.plans and all(p.plan.cp > 1 and p.fits for p in best.plans)
+
+
+def test_search_leaves_cp_out_at_short_sequences_unless_fixed():
+    short = search(SHORT, H100, 8, 8, top=50)
+    assert all(p.plan.cp == 1 for p in short.plans + short.pareto)
+    fixed = search(SHORT, H100, 8, 8, {"cp": WholeNumbers((range(2, 3),))}, top=5)
+    assert all(p.plan.cp == 2 and p.plan.tp_mode == "1d" for p in fixed.plans)

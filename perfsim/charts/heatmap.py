@@ -21,10 +21,11 @@ KNOB_TITLES = {
     "mbs": "micro-batch size (sequences)", "vpp": "interleaved chunks per device (vpp)", "zero": "ZeRO stage",
     "recompute": "activation recomputation", "schedule": "pipeline schedule", "tp_mode": "tensor-parallel mode",
     "sp": "sequence parallelism", "tp_depth": "2.5d depth", "order": "rank order (innermost first)",
+    "cp": "context-parallel size (cp)",
 }
 KNOBS = tuple(KNOB_TITLES)
 _COLUMN = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "mbs", "vpp": "vpp", "zero": "zero", "recompute": "recompute",
-           "schedule": "schedule", "sp": "sp", "tp_depth": "tp_depth"}
+           "schedule": "schedule", "sp": "sp", "tp_depth": "tp_depth", "cp": "cp"}
 ORDERS = TEXT_KNOBS["order"]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from perfsim.errors import PerfsimError
 
 KINDS = ("whatif", "heatmap", "scaling", "memory", "breakdown", "timeline", "validation")
-HEATMAP_KNOBS = ("tp", "pp", "dp", "mbs", "vpp", "zero", "recompute", "schedule", "tp_mode", "sp", "tp_depth", "order")
+HEATMAP_KNOBS = ("tp", "pp", "dp", "mbs", "vpp", "zero", "recompute", "schedule", "tp_mode", "sp", "tp_depth", "order",
+                 "cp")
 
 
 def add_chart_flags(p) -> None:
@@ -80,7 +81,8 @@ class Case:
         if self.searched:
             self.model, self.system = load_case(args)
             self.devices = device_count(args, self.system, self.given)
-            dp = self.given.get("dp") or derived_dp(self.devices, self.given.get("tp", 1), self.given.get("pp", 1))
+            dp = self.given.get("dp") or derived_dp(self.devices, self.given.get("tp", 1), self.given.get("pp", 1),
+                                                    self.given.get("cp", 1))
             self.gbs = self.given.get("gbs", self.given.get("mbs", 1) * dp)
             self._plan = None
         else:
