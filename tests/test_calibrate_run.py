@@ -15,6 +15,7 @@ import time
 import pytest
 
 from perfsim.calibrate import read_ledger
+from perfsim.ledger import step_problem
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system
@@ -100,6 +101,28 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
     kinds = dict(system.device.operation_memory_efficiency)
     assert {"layernorm", "layernorm_backward", "cross_entropy", "cross_entropy_backward"} <= set(kinds)
     assert "gemm.jsonl" in system.provenance["device.operation_memory_efficiency.softmax_backward"][1]
+
+
+@pytest.mark.multiprocess
+def test_overheads_suite_trains_the_calibration_model_and_fits_the_loops_time(run_cli, tmp_path):
+    """The `overheads` suite for real: real training steps of the calibration model (2 ranks,
+    gloo, fp32) into LEDGER-overheads.jsonl, fitted into the three framework overhead keys."""
+    from perfsim.calibrate.overheads import QUICK_RUNS, overheads_ledger
+
+    ledger, out = tmp_path / "cal.jsonl", tmp_path / "cal.toml"
+    r = run_cli("calibrate", "--device", "cpu", "--nproc", "2", "--quick", "--suites", "gemm,overheads",
+                "--dtypes", "fp32", "--tp", "1", "--model", "layers=2,hidden=64,heads=4,seq=32,vocab=256",
+                "--ledger", str(ledger), "--out", str(out))
+    assert r.code == 0, r.err
+    steps, problems = read_ledger(overheads_ledger(str(ledger)), step_problem)
+    assert problems == [] and len(steps) == len(QUICK_RUNS)
+    assert {(load_model(x["model"]).layers, Plan(**x["plan"]).microbatches) for x in steps} == set(QUICK_RUNS)
+    assert "framework overheads (real steps of the calibration model)" in r.out
+    system = load_system(str(out))
+    for key in ("step_overhead_s", "microbatch_overhead_s", "layer_overhead_s"):
+        kind, source = system.provenance[f"framework.{key}"]
+        assert kind == "calibrated" and "cal-overheads.jsonl" in source
+        assert getattr(system.framework, key) >= 0
 
 
 @pytest.mark.parametrize("op", mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS)

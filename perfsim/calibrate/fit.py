@@ -15,20 +15,22 @@ from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, GEMM_TIMI
                                       TRAINING_DTYPE, statistic_key, with_values)
 from perfsim.calibrate.compute import check_attention, fit_gemms
 from perfsim.calibrate.memory import fit_memory
-from perfsim.calibrate.overheads import fit_tp_overhead
+from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
 from perfsim.calibrate.profile import calibrated_profile
 from perfsim.calibrate.report import format_report
 from perfsim.calibrate.tables import measured_tables
 
 
 def fit(records: list, base, ledger_name: str, device_kind: str | None = None, statistic: str = "expected",
-        clock: str = "auto") -> Calibration:
+        clock: str = "auto", step_records: list = (), steps_name: str = "") -> Calibration:
     """Fit `base` (a System) to ledger records; see the module docstring. `statistic` is the
     repetitions' statistic fitted: "expected" (default: what a step pays on average, see
     STATISTICS), "min" (the best of the repetitions, the machine without interference from other
     load), "median", "p25" or "mean". `clock` "auto" fits the CPU
     time of compute points where the ledger has it (one-thread CPU ranks: the time the rank really
-    ran, immune to other processes on a shared machine), "wall" the wall clock everywhere."""
+    ran, immune to other processes on a shared machine), "wall" the wall clock everywhere.
+    `step_records`: the overhead runs' training steps (ledger `steps_name`), which give the
+    framework overheads once everything else is fitted."""
     if clock not in ("auto", "wall"):
         raise PerfsimError(f"clock must be auto or wall, got {clock!r}")
     if statistic not in STATISTICS:
@@ -86,6 +88,9 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     quality.extend(q), notes.extend(n)
     system = dataclasses.replace(system, device=dataclasses.replace(system.device, measured=device_tables),
                                  collectives=dataclasses.replace(system.collectives, measured=collective_tables))
+    v, q, n = fit_framework_overheads(list(step_records), system, steps_name)
+    values.update(v), quality.extend(q), notes.extend(n)
+    system = with_values(system, v)
     return Calibration(values, quality, notes, system, device_tables + collective_tables)
 
 
@@ -129,7 +134,10 @@ def fit_ledger(ledger: str, base_name: str, out: str | None, name: str | None = 
                          "the fit uses the last copy of each (the latest measurement). Copies written by two "
                          "campaigns at once (possible before perfsim locked its ledgers) were measured on a machine "
                          "running both: measure those points again into a fresh --ledger")
-    calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock)
+    steps_path = overheads_ledger(ledger)
+    steps = read_ledger(steps_path, step_problem)[0] if os.path.exists(steps_path) else []
+    calibration = fit(records, base, os.path.basename(ledger), device_kind, statistic, clock, steps,
+                      os.path.basename(steps_path))
     report(format_report(calibration, base))
     if out:
         name = name or os.path.splitext(os.path.basename(out))[0]

@@ -1,11 +1,27 @@
-"""Framework overheads measured by construction: the tensor-parallel layer overhead (tp_overhead points)."""
+"""Framework overheads measured by construction: the tensor-parallel layer overhead (tp_overhead
+points), and the per-step, per-layer and per-micro-batch host time of the training loop, fitted on
+real training steps of a calibration model whose shape is its own, never the validation model's
+(docs/equations.md 8.2, docs/calibration.md).
+
+The step runs (`perfsim calibrate`, suite "overheads", through validate.timing) train the
+calibration model with L layers and m micro-batches per step under data parallelism over every
+rank. Each run's measured step time T, less what the calibrated profile predicts for it with the
+three overheads at 0 (P0: its kernels, collectives and optimizer), is the loop's own time:
+
+    T - P0 = step_overhead_s + m x microbatch_overhead_s + m L x layer_overhead_s
+
+fitted by non-negative least squares on OVERHEAD_RUNS[:-1]; the last run, (2 layers, 2
+micro-batches), is held out and predicted.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 
 import numpy as np
 
-from perfsim.calibrate.common import Fitted
+from perfsim.calibrate.common import Fitted, Quality, mape
 
 
 TP_OVERHEAD_KEYS = {"1d": ("framework.tp_layer_overhead_s", "1d"), "1d_sp": ("framework.sp_layer_overhead_s", "1d + SP")}
@@ -33,3 +49,88 @@ def fit_tp_overhead(records, ledger) -> tuple:
         notes.append(f"tensor-parallel overhead {label}: {value * 1e3:.3g} ms a layer and micro-batch "
                      f"(rounds' differences {diffs[0] * 1e3:.3g} to {diffs[-1] * 1e3:.3g} ms)")
     return values, notes
+
+
+# The calibration model: small enough that its steps are mostly the loop's own time on any device,
+# and unlike the validation model (validate.timing.DEFAULT_MODEL) in every dimension.
+CALIBRATION_MODEL = "layers={layers},hidden=256,heads=4,seq=128,vocab=2048,tied_embeddings=false,dropout=false"
+OVERHEAD_RUNS = ((1, 1), (3, 1), (1, 3), (3, 3), (2, 2))  # (layers, micro-batches); the last held out
+QUICK_RUNS = ((1, 1), (2, 1), (1, 2), (2, 2))
+OVERHEAD_KEYS = ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s")
+
+
+def overhead_cases(nproc: int, quick: bool = False) -> list:
+    """[(model spec, [Plan, ...]), ...] of the overhead runs, grouped by model (one launch list
+    each): data parallelism over the `nproc` ranks, micro-batches of one sequence."""
+    from perfsim.spec.plan import Plan
+
+    by_layers: dict = {}
+    for layers, m in QUICK_RUNS if quick else OVERHEAD_RUNS:
+        by_layers.setdefault(layers, []).append(Plan(dp=nproc, mbs=1, gbs=m * nproc))
+    return [(CALIBRATION_MODEL.format(layers=layers), plans) for layers, plans in by_layers.items()]
+
+
+def overheads_ledger(ledger: str) -> str:
+    """The step ledger of the overhead runs beside a calibration ledger: NAME-overheads.jsonl."""
+    stem, ext = os.path.splitext(ledger)
+    return f"{stem}-overheads{ext or '.jsonl'}"
+
+
+def as_trained(system, dtype: str):
+    """The profile as the harness trains in `dtype`: gradients in the parameters' dtype (validate.optim)."""
+    element = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    return dataclasses.replace(system, framework=dataclasses.replace(system.framework, grad_bytes_per_param=element))
+
+
+def _run(record) -> tuple:
+    """(model, plan, dtype, layers, micro-batches, measured seconds) of a step record."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+
+    known = {f.name for f in dataclasses.fields(Plan)}
+    plan = Plan(**{k: v for k, v in record["plan"].items() if k in known})
+    model = load_model(record["model"])
+    return model, plan, record["dtype"], model.layers, plan.microbatches, float(record["measured"]["step_time_s"])
+
+
+def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
+    """(values, quality rows, notes): step_overhead_s, microbatch_overhead_s and layer_overhead_s
+    from the overhead runs' step records (module docstring), against `system`, the profile
+    calibrated from the kernels."""
+    from perfsim.predict import predict
+    from scipy.optimize import nnls
+
+    if not step_records:
+        return {}, [], []
+    zero = dataclasses.replace(system, framework=dataclasses.replace(
+        system.framework, step_overhead_s=0.0, microbatch_overhead_s=0.0, layer_overhead_s=0.0))
+    rows = []
+    for r in step_records:
+        model, plan, dtype, layers, m, t = _run(r)
+        p0 = predict(model, as_trained(zero, dtype), plan, dtype).step_time_s
+        rows.append((layers, m, t, p0, (layers, m) == OVERHEAD_RUNS[-1]))
+    fitted = [x for x in rows if not x[4]]
+    if len(fitted) < 3:
+        return {}, [], [f"overheads: {len(fitted)} step runs of the calibration model, 3 needed to fit the step, "
+                        f"micro-batch and layer overheads; keys left as in the base profile"]
+    design = lambda xs: np.array([[1.0, m, m * layers] for layers, m, *_ in xs])  # noqa: E731
+    gap = np.array([t - p0 for _, _, t, p0, _ in fitted])
+    coefficients, _ = nnls(design(fitted), gap)
+    predicted = lambda xs: np.array([p0 for *_, p0, _ in xs]) + design(xs) @ coefficients  # noqa: E731
+    measured = lambda xs: np.array([t for _, _, t, _, _ in xs])  # noqa: E731
+    held = [x for x in rows if x[4]]
+    kernels_alone = mape([p0 for *_, p0, _ in rows], measured(rows))
+    runs = ", ".join(f"{layers} layer{'s' * (layers > 1)} x {m} micro-batch{'es' * (m > 1)}" for layers, m, *_ in fitted)
+    where = (f"{len(fitted)} runs of real training steps of the calibration model ({runs}; {CALIBRATION_MODEL.format(layers='L')}, "
+             f"data parallelism over {int(_run(step_records[0])[1].dp)} ranks) in ledger {ledger}: measured step less the "
+             f"calibrated profile's prediction without overheads, non-negative least squares over "
+             f"[1, micro-batches, micro-batches x layers] (perfsim.calibrate.overheads)")
+    values = {key: Fitted(float(v), where) for key, v in zip(OVERHEAD_KEYS, coefficients)}
+    quality = [Quality("framework overheads (real steps of the calibration model)", mape(predicted(fitted), measured(fitted)),
+                       len(fitted), mape(predicted(held), measured(held)) if held else float("nan"), len(held),
+                       note=f"kernels, collectives and optimizer alone: {100 * kernels_alone:.1f}% on all runs")]
+    step, mb, layer = coefficients
+    notes = [f"framework overheads from {len(rows)} step runs of the calibration model: {step * 1e3:.3g} ms a step, "
+             f"{mb * 1e3:.3g} ms a micro-batch, {layer * 1e3:.3g} ms a layer and micro-batch "
+             f"(the profile's kernels alone predicted {100 * kernels_alone:.1f}% off)"]
+    return values, quality, notes

@@ -26,6 +26,10 @@ DEFAULT_SYSTEM = {"cpu": "cpu-example", "xpu": "smng-p2"}
 DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16",), "xpu": ("bf16",)}
 DTYPES = ("fp32", "bf16", "fp16")
 PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "mbs", "order", "tp_axes")
+# what --suites may name: the microbenchmark suites of the ledger, and "overheads", real training
+# steps of a calibration model that give the framework overheads (perfsim.calibrate.overheads)
+OVERHEADS = "overheads"
+CALIBRATE_SUITES = SUITES + (OVERHEADS,)
 
 
 def _whole(low: int, high: int):
@@ -130,7 +134,9 @@ def register(subparsers) -> None:
     w.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
     w.add_argument("--tp-axes", dest="tp_axes")
     w.add_argument("--dtypes", type=_choices(DTYPES), help="compute dtypes (default: fp32,bf16 on cpu, bf16 on GPUs)")
-    w.add_argument("--suites", type=_choices(SUITES), help=f"what to measure (default all: {','.join(SUITES)})")
+    w.add_argument("--suites", type=_choices(CALIBRATE_SUITES),
+                   help=f"what to measure (default all: {','.join(CALIBRATE_SUITES)}; {OVERHEADS}: real training steps of "
+                        f"a calibration model, for the framework overheads)")
     w.add_argument("--max-bytes", dest="max_bytes", type=parse_bytes,
                    help="largest collective message (default 256MiB; 1MiB with --quick)")
     w.add_argument("--warmup", type=_whole(0, 1000), default=None, help="untimed calls before timing, 0 to 1000 (default 2)")
@@ -165,7 +171,8 @@ def _options(args, world: int, ranks_per_node: int):
     plan["dp"] = world // (tp * pp)
     plan["gbs"] = plan.get("mbs", 1) * plan["dp"]
     return Options(device=device, ledger=_ledger_path(args), model=model, plan=plan,
-                   dtypes=args.dtypes or DEFAULT_DTYPES[device], suites=args.suites or SUITES, quick=args.quick,
+                   dtypes=args.dtypes or DEFAULT_DTYPES[device],
+                   suites=tuple(x for x in args.suites or SUITES if x in SUITES), quick=args.quick,
                    max_bytes=args.max_bytes,
                    warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
                    repeats=args.repeats or (3 if args.quick else 5),
@@ -261,12 +268,42 @@ def _measure_and_fit(args, system: str) -> None:
 
     print(f"perfsim calibrate: {nproc} {args.device} rank(s), model {options.model}, plan "
           f"{', '.join(f'{k}={v}' for k, v in options.plan.items())}; ledger {options.ledger}", file=sys.stderr, flush=True)
-    launch_local(options, nproc)
+    if options.suites:
+        launch_local(options, nproc)
+    if OVERHEADS in (args.suites or CALIBRATE_SUITES):
+        if out:
+            _run_overheads(args, options, nproc, system)
+        else:
+            print(f"perfsim calibrate: no {OVERHEADS} runs with --no-fit (their speed probes need the fitted profile)",
+                  file=sys.stderr)
     if out:
         from perfsim.calibrate import fit_ledger
         fit_ledger(options.ledger, system, out, args.name, device_kind=args.device,
                    warn=lambda m: print(m, file=sys.stderr), statistic=args.statistic,
                    clock=args.clock, description=args.description)
+
+
+def _run_overheads(args, options, nproc: int, system: str) -> None:
+    """Real training steps of the calibration model (perfsim.calibrate.overheads) into the ledger's
+    NAME-overheads.jsonl, timed against a provisional fit of the kernels (their speed probes).
+    Resumable like every ledger: runs already there are read back."""
+    import tempfile
+
+    from perfsim.calibrate import fit_ledger
+    from perfsim.calibrate.overheads import overhead_cases, overheads_ledger
+    from validate import timing
+
+    dtype = next((d for d in options.dtypes if d in timing.DTYPE_BYTES), "bf16")
+    steps_ledger = overheads_ledger(options.ledger)
+    print(f"perfsim calibrate: framework overheads from real steps of the calibration model ({dtype}); ledger "
+          f"{steps_ledger}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="perfsim-calibrate-") as tmp:
+        provisional = os.path.join(tmp, "provisional.toml")
+        fit_ledger(options.ledger, system, provisional, report=lambda m: None, warn=lambda m: None,
+                   statistic=args.statistic, clock=args.clock)
+        for model, plans in overhead_cases(nproc, options.quick):
+            timing.run_plans(plans, model, provisional, args.device, nproc, dtype, steps=2 if options.quick else 3,
+                             warmup=1, ledger_path=steps_ledger, threads=args.threads)
 
 
 def _visible_devices(device: str) -> int:

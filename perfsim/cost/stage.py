@@ -9,7 +9,7 @@ forward and its gradient backward (v times each with v interleaved chunks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -100,8 +100,10 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                                      + layer_cp_bwd + recompute_cp),
                        forward_compute=n * (layer.time_s + host_fwd), forward_tp=n * layer_tp_fwd,
                        forward_cp=n * layer_cp_fwd, weight_grad=n * layer.weight_grad_s)
-    # recomputation repeats the layer's kernels: it rests on the curves in the layer's proportion
-    middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * (middle.compute + middle.recompute)
+    # recomputation repeats the layer's kernels: they rest on the curves in the layer's proportion
+    # (host time is measured: no curve)
+    kernels = n * (layer.time_s + layer.backward_s) + middle.recompute - n * np.where(c.recompute == FULL, host_fwd, 0.0)
+    middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * kernels
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
@@ -120,6 +122,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab)
     layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
     middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
+    middle, first, last = (_with_loop(s, system.framework.microbatch_overhead_s) for s in (middle, first, last))
     first = _plus(first, emb, tp_time(emb_fwd), tp_time(emb_bwd))
     last = _plus(last, head, tp_time(head_fwd), tp_time(head_bwd))
     single = _plus(first, head, tp_time(head_fwd), tp_time(head_bwd))
@@ -152,12 +155,14 @@ def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activati
 
 
 def layer_host_overhead(system: System, c: Columns):
-    """Host seconds the tensor-parallel implementation adds to one layer's forward and backward of
-    a micro-batch: the profile's tp_layer_overhead_s (sp_layer_overhead_s with SP) in 1d with t > 1,
-    else 0 (Megatron-LM's layers and the 2d/2.5d/3d ones add none)."""
+    """Host seconds one layer's forward and backward of a micro-batch pay beyond their kernels and
+    collectives: the profile's layer_overhead_s (any plan: autograd and module dispatch, docs/
+    equations.md 8.2), plus what a tensor-parallel implementation adds, tp_layer_overhead_s
+    (sp_layer_overhead_s with SP) in 1d with t > 1 (Megatron-LM's layers and the 2d/2.5d/3d ones
+    add none, 8.1)."""
     fw = system.framework
     per_layer = np.where(c.sp, fw.sp_layer_overhead_s, fw.tp_layer_overhead_s)
-    return np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0)
+    return np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0) + fw.layer_overhead_s
 
 
 def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
@@ -174,6 +179,13 @@ def _times(stage: StageTime, layers) -> StageTime:
     """`stage`, the time of one layer, for `layers` layers (its pipeline transfers once)."""
     return StageTime(**{f.name: getattr(stage, f.name) * (1 if f.name in ("pp_comm", "dp_comm") else layers)
                         for f in fields(StageTime)})
+
+
+def _with_loop(stage: StageTime, seconds) -> StageTime:
+    """`stage` with the training loop's own host time per micro-batch (docs/equations.md 8.2), a
+    third of it in forward like a layer's host time."""
+    return replace(stage, compute=stage.compute + seconds, forward_compute=stage.forward_compute + seconds / 3,
+                   backward=stage.backward + 2 * seconds / 3)
 
 
 def _where(cond, a: StageTime, b: StageTime) -> StageTime:

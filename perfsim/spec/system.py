@@ -153,6 +153,12 @@ class Framework:
     # torch.distributed.tensor.parallel (docs/equations.md 8.1). 0: Megatron-LM's hand-written layers.
     tp_layer_overhead_s: float = 0.0
     sp_layer_overhead_s: float = 0.0
+    # Optional: host seconds the training loop adds beyond its kernels and collectives, per layer and
+    # micro-batch (forward and backward: autograd, module dispatch) and per micro-batch of a stage
+    # (its loop, the loss's and the schedule's Python), measured by construction from real steps of
+    # a calibration model (perfsim.calibrate.overheads; docs/equations.md 8.2). 0: not measured.
+    layer_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
     # Optional: whose ZeRO-2/3 the step runs (docs/equations.md 6.2). "deepspeed": gradients
     # reduce-scattered in buckets, weights kept whole beside the shards in ZeRO-2. "fsdp2": torch's
     # fully_shard, one call per module, with its buffer copies and memory (as validate/ runs it).
@@ -203,7 +209,8 @@ _RULES = {
 }
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
-                           "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True)},
+                           "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True),
+                           "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}

@@ -1,0 +1,98 @@
+"""Framework overheads measured by construction (perfsim.calibrate.overheads; docs/equations.md 8.2):
+the loop's per-step, per-micro-batch and per-layer host time, fitted on real steps of a calibration
+model, and how predictions charge them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from perfsim.calibrate import overheads as oh
+from perfsim.predict import predict
+from perfsim.spec.model import load_model
+from perfsim.spec.plan import Plan, plan_problems
+from perfsim.spec.system import load_system
+
+TRUTH = {"framework.step_overhead_s": 0.012, "framework.microbatch_overhead_s": 0.004,
+         "framework.layer_overhead_s": 0.0015}
+
+
+def _with(system, **framework):
+    return dataclasses.replace(system, framework=dataclasses.replace(system.framework, **framework))
+
+
+def _records(system, truth=TRUTH, dtype="fp32", noise=0.0, seed=0):
+    """Step records as validate.timing writes them, their times from `system` with `truth`'s overheads."""
+    rng = np.random.default_rng(seed)
+    machine = _with(system, **{k.split(".")[1]: v for k, v in truth.items()})
+    records = []
+    for model, plans in oh.overhead_cases(2):
+        for plan in plans:
+            t = predict(model, oh.as_trained(machine, dtype), plan, dtype).step_time_s * float(np.exp(rng.normal(0, noise)))
+            records.append({"suite": "step", "model": model, "plan": plan.as_dict(), "dtype": dtype,
+                            "measured": {"step_time_s": t}})
+    return records
+
+
+def test_the_fit_finds_the_overheads_back_and_predicts_the_held_out_run():
+    system = load_system("cpu-calibrated")
+    values, quality, notes = oh.fit_framework_overheads(_records(system), system, "steps.jsonl")
+    for key, value in TRUTH.items():
+        assert values[key].value == pytest.approx(value, rel=1e-6, abs=1e-9)
+        assert "steps.jsonl" in values[key].source
+    (row,) = quality
+    assert row.fit_points == len(oh.OVERHEAD_RUNS) - 1 and row.held_points == 1
+    assert row.fit_mape < 1e-6 and row.held_mape < 1e-6
+    assert "kernels, collectives and optimizer alone" in row.note
+
+
+def test_noisy_runs_still_predict_the_held_out_run_within_the_noise():
+    system = load_system("cpu-calibrated")
+    values, quality, _ = oh.fit_framework_overheads(_records(system, noise=0.03, seed=4), system, "s")
+    assert quality[0].held_mape < 0.1
+    assert all(v.value >= 0 for v in values.values())
+
+
+def test_too_few_runs_leave_the_profile_alone():
+    system = load_system("cpu-calibrated")
+    values, quality, notes = oh.fit_framework_overheads(_records(system)[:2], system, "s")
+    assert values == {} and quality == [] and "3 needed" in notes[0]
+
+
+def test_predictions_charge_the_overheads_per_layer_and_micro_batch():
+    """One stage, m micro-batches of L layers: the step gains m (L x layer + micro-batch) plus the
+    step's own; full recomputation repeats a layer's forward share (a third) of its overhead."""
+    base = load_system("cpu-calibrated")
+    model = load_model("layers=4,hidden=256,heads=4,seq=128,vocab=2048")
+    plan = Plan(dp=2, mbs=1, gbs=6)
+    layer, mb, step = 0.002, 0.005, 0.03
+    with_overheads = _with(base, layer_overhead_s=layer, microbatch_overhead_s=mb, step_overhead_s=step)
+    without = _with(base, layer_overhead_s=0.0, microbatch_overhead_s=0.0, step_overhead_s=0.0)
+    m = plan.microbatches
+    delta = predict(model, with_overheads, plan, "fp32").step_time_s - predict(model, without, plan, "fp32").step_time_s
+    assert delta == pytest.approx(m * (model.layers * layer + mb) + step, rel=1e-9)
+    full = plan.replace(recompute="full")
+    delta_full = (predict(model, with_overheads, full, "fp32").step_time_s
+                  - predict(model, without, full, "fp32").step_time_s)
+    assert delta_full == pytest.approx(m * (model.layers * layer * 4 / 3 + mb) + step, rel=1e-9)
+
+
+def test_the_calibration_model_is_not_the_validation_model_and_its_runs_are_valid():
+    from validate.timing import DEFAULT_MODEL
+
+    validation = load_model(DEFAULT_MODEL)
+    for spec, plans in oh.overhead_cases(8) + oh.overhead_cases(2, quick=True):
+        model = load_model(spec)
+        assert (model.hidden, model.heads, model.seq, model.vocab) != (validation.hidden, validation.heads,
+                                                                       validation.seq, validation.vocab)
+        for plan in plans:
+            assert not plan_problems(plan, model, plan.devices)
+    runs = {(load_model(spec).layers, plan.microbatches) for spec, plans in oh.overhead_cases(2) for plan in plans}
+    assert runs == set(oh.OVERHEAD_RUNS)
+
+
+def test_the_overheads_ledger_sits_beside_the_calibration_ledger():
+    assert oh.overheads_ledger("runs/calibration-cpu.jsonl") == "runs/calibration-cpu-overheads.jsonl"
+    assert oh.overheads_ledger("ledger") == "ledger-overheads.jsonl"
