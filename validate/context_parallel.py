@@ -116,9 +116,11 @@ class _Ring:
         return load_balanced_chunks(self.size, (self.rank - step) % self.size)
 
     def start(self, send, receive, tag: int) -> list:
-        """Send `send` to the next rank and receive `receive` from the previous one, without waiting."""
-        return [dist.isend(send, group=self.group, group_dst=self.next, tag=tag),
-                dist.irecv(receive, group=self.group, group_src=self.prev, tag=tag)]
+        """Send `send` to the next rank and receive `receive` from the previous one, without waiting.
+        One batch: NCCL would deadlock on a send and a receive issued apart between two ranks
+        that both send first (cp = 2)."""
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
+                                       dist.P2POp(dist.irecv, receive, group=self.group, group_peer=self.prev, tag=tag)])
 
 
 def _wait(requests) -> None:
