@@ -29,7 +29,7 @@ NOT_RUN = {
     "perfsim calibrate --device cuda --nproc 8 --system dgx-a100 --out my-dgx.toml": "needs 8 CUDA GPUs",
     "perfsim calibrate --device cpu --nproc 2 --suites memory --no-fit --ledger hwprofiles/ledgers/calibration-cpu.jsonl":
         MINUTES + "; it would also append to the committed ledger",
-    "perfsim validate --device cpu --nproc 2": "runs real training steps of 13 plans on torch ranks: minutes",
+    "perfsim validate --device cpu --nproc 2": "runs real training steps of 15 plans on torch ranks: minutes",
     "perfsim calibrate --device cpu --nproc 2 --system cpu-calibrated --out cpu-HOST.toml":
         MINUTES + " (the command validate's mismatch warning prints)",
     "perfsim validate --device cpu --nproc 2 --steps 4 --rounds 6 --ledger hwprofiles/ledgers/validation-cpu.jsonl":
