@@ -52,9 +52,11 @@ def _point_rate() -> float:
 
 def test_a_consistent_observation_narrows_the_spread(run_cli, tmp_path):
     target = _point_rate() * 0.97
-    result = run_cli("predict", "--json", "--uncertainty", "--system", _profile(tmp_path, _observation(value=target)), *CASE)
+    result = run_cli("predict", "--json", "--uncertainty", "--samples", "128", "--system",
+                     _profile(tmp_path, _observation(value=target)), *CASE)
     assert result.code == 0 and result.err == "", result.err
-    prior = run_cli("predict", "--json", "--uncertainty", "--system", "dgx-a100", *CASE).json()["uncertainty"]
+    prior = run_cli("predict", "--json", "--uncertainty", "--samples", "128", "--system", "dgx-a100",
+                    *CASE).json()["uncertainty"]
     post = result.json()["uncertainty"]
     width = lambda q: q["p90"] - q["p10"]  # noqa: E731
     assert width(post["step_time_s"]) < 0.6 * width(prior["step_time_s"])
@@ -77,7 +79,7 @@ def test_an_impossible_observation_is_named(run_cli, tmp_path):
 def test_scaling_observations_use_the_scaled_plan(tmp_path):
     weak = _observation(name="weak", quantity="weak_scaling_efficiency", value=0.9, tolerance=0.05, devices=512)
     system = load_system(_profile(tmp_path, weak))
-    draws, posterior = profile_draws(system, 32)
+    draws, posterior = profile_draws(system, 16)
     obs = posterior.observations[0]
     base, scaled = obs.plans()
     assert (scaled.dp, scaled.gbs) == (32, 512)  # 8 x the replicas, 8 x the batch, micro-batches kept
