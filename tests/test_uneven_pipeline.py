@@ -32,6 +32,25 @@ def test_stage_layers_resolve_the_split():
     assert [float(x) for x in stage_layers(10, 4, 0, 4)] == [2, 2, 4]
     assert [float(x) for x in stage_layers(12, 4, 0, 0)] == [3, 3, 3]
     assert [float(x) for x in stage_layers(12, 1, 0, 0)] == [12, 12, 12]  # one stage holds all
+    assert [float(x) for x in stage_layers(10, 2, 4, 6)] == [4, 5, 6]  # no middle stage: its count unused, not 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("pp, first, last", [(2, 4, 6), (2, 3, 0), (4, 1, 3)])
+def test_every_zero_stage_prices_uneven_splits(zero, pp, first, last):
+    """Finite, warning-free and equal in both engines to within the simulator's modelling (ZeRO-3 on
+    2 stages divided by a middle stage's 0 layers before)."""
+    import warnings
+
+    from perfsim.schedule.simulator import simulate
+
+    model, plan = load_model("layers=10," + SPEC), Plan(pp=pp, dp=2, zero=zero, gbs=8, first_stage_layers=first,
+                                                       last_stage_layers=last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sim = simulate(model, "dgx-h100", plan)
+    assert 0 < sim.analytic.step_time_s < float("inf")
+    assert sim.prediction.step_time_s == pytest.approx(sim.analytic.step_time_s, rel=0.05)
 
 
 def test_an_explicit_even_split_is_the_even_split():

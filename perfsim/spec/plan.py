@@ -268,7 +268,8 @@ def stage_layers(layers, pp, first_layers, last_layers) -> tuple:
     (docs/equations.md 9.4). One stage holds every layer; a middle count with pp <= 2 is unused."""
     first_given, last_given = first_layers > 0, last_layers > 0
     others = pp - first_given - last_given  # stages sharing the rest evenly
-    rest = (layers - first_layers - last_layers) / np.maximum(others, 1)
+    # with no such stage (pp 2, both ends given) the middle count is unused: the even share, not 0
+    rest = np.where(others > 0, (layers - first_layers - last_layers) / np.maximum(others, 1), layers / pp)
     return np.where(first_given, first_layers, rest), rest, np.where(last_given, last_layers, rest)
 
 
