@@ -69,7 +69,8 @@ def run(args) -> None:
                           "points": [p.as_json() for p in points]}, indent=2))
         return
     kind = "weak" if args.weak else "strong"
-    print(f"{kind} scaling of {model.name} on {system.name}: TP {base.tp} {base.tp_mode}, PP {base.pp}, "
+    cp = f", CP {base.cp}" if base.cp > 1 else ""
+    print(f"{kind} scaling of {model.name} on {system.name}: TP {base.tp} {base.tp_mode}{cp}, PP {base.pp}, "
           f"micro-batch {base.mbs}, ZeRO-{base.zero}, recompute {base.recompute}")
     terms = list(points[-1].loss_points)
     print(f"{'nodes':>6} {'devices':>8} {'batch':>6} {'step':>9} {'tokens/s':>11} {'eff':>7}   "

@@ -73,7 +73,7 @@ def _t(seconds: float) -> str:
 
 
 def format_simulation(sim, notes: dict | None = None) -> str:
-    from perfsim.spec.plan import split_words
+    from perfsim.spec.plan import split_words, stack_words
 
     r, p, a = sim.result, sim.prediction, sim.analytic
     plan = p.plan
@@ -83,7 +83,8 @@ def format_simulation(sim, notes: dict | None = None) -> str:
     lines = [
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
         f"plan: TP {plan.tp} ({plan.tp_mode}) x PP {plan.pp} ({r.schedule}{chunks}{split}) x DP {plan.dp}, ZeRO-{plan.zero}, "
-        f"micro-batch {plan.mbs}, {r.m} micro-batches per pipeline, recompute {plan.recompute}",
+        f"micro-batch {plan.mbs}, {r.m} micro-batches per pipeline, recompute {plan.recompute}"
+        + (f", {stack_words(plan)}" if stack_words(plan) else ""),
         "",
         f"step time       {_t(r.step_time_s)}  (closed form {_t(a.step_time_s).strip()}, {diff:+.1%})",
         f"throughput      {p.tokens_per_s:12,.0f} tokens/s   {p.model_tflops_per_device:.1f} TFLOP/s model per device "

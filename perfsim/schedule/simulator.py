@@ -276,8 +276,10 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         pos = _position(i, p)
         parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
                      (CP, part(k.forward_cp, chunk)), (TP, 0.0 if split else tp_f)],
+                 # the ring's waits sit inside every layer's backward: drawn ahead of the compute, and
+                 # the gradient buckets released over both (_reduce), the last at the pass's compute end
                  B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
-                     (COMPUTE, part(k.backward_compute, chunk) - wg), (CP, part(k.backward_cp, chunk)),
+                     (CP, part(k.backward_cp, chunk)), (COMPUTE, part(k.backward_compute, chunk) - wg),
                      (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():
@@ -423,8 +425,11 @@ def _reduce(b: _Builder, k: StepCosts, i: int, pos: str, chunk: int, pass_task: 
         offset, grad = 0.0, 0.0
         for kind, d in segments:
             if kind == COMPUTE:
-                grad = d
+                grad += d
                 break
+            if kind == CP:  # the ring's waits sit inside the layers whose buckets follow
+                grad += d
+                continue
             offset += d
         for n in range(nb):
             t = b.task(i, ((DP, bucket),), ("bucket", n, chunk), links=links, cls=DP_TRAFFIC, stream="side")
