@@ -37,6 +37,7 @@ TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
 MOST_CANDIDATES = 10_000_000  # before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
+MOST_SPLIT_COUNTS = 1_000  # layer counts one --fix first_stage_layers / last_stage_layers may allow
 # Sequences from which the search tries context parallelism unasked (--fix cp=... tries it at any
 # length): below, a rank's attention blocks are too short to hide the ring's transfers and the
 # activations it divides rarely decide whether a plan fits (Megatron-Core and NeMo use it from 8k).
@@ -175,9 +176,13 @@ def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[t
         return [(0, 0), (ends, ends)] if auto else [(0, 0)]
 
     def counts(knob):
-        if knob in fixes:
-            return [n for n in range(model.layers + 1) if n in fixes[knob]]
-        return [0, ends] if auto else [0]
+        if knob not in fixes:
+            return [0, ends] if auto else [0]
+        spans = [range(max(r.start, 0), min(r.stop, model.layers + 1)) for r in fixes[knob].spans]
+        if sum(len(r) for r in spans) > MOST_SPLIT_COUNTS:
+            raise PerfsimError(f"--fix {knob} allows more than {MOST_SPLIT_COUNTS:,} layer counts; give a few, "
+                               f"e.g. --fix {knob}=0,{max(ends, 1)}")
+        return sorted({n for r in spans for n in r})
 
     return list(itertools.product(counts("first_stage_layers"), counts("last_stage_layers")))
 

@@ -153,3 +153,14 @@ def test_bad_splits_are_one_line_errors(capsys, flags, says):
 def test_a_split_is_a_whole_number():
     with pytest.raises(PerfsimError):
         predict(load_model("layers=10," + SPEC), A100, Plan(pp=4, gbs=8, first_stage_layers=1.5))
+
+
+def test_search_lists_the_split_and_refuses_a_fix_of_too_many_counts(capsys):
+    model = "layers=126," + SPEC
+    assert cli.main(["search", "--model", model, "--system", "dgx-h100", "--devices", "16", "--gbs", "32",
+                     "--fix", "pp=16", "--top", "1", "--quiet"]) == 0
+    assert "PP 16 1f1b (7 layers on the first stage, 7 on the last)" in capsys.readouterr().out
+    assert cli.main(["search", "--model", "layers=2000," + SPEC, "--system", "dgx-h100", "--devices", "16",
+                     "--gbs", "32", "--fix", "first_stage_layers=0..5000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "more than 1,000 layer counts" in err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from perfsim.errors import PerfsimError
-from perfsim.spec.plan import stack_words
+from perfsim.spec.plan import split_words, stack_words
 
 
 def register(sub) -> None:
@@ -78,7 +78,7 @@ def _summary(p) -> str:
     plan = p.plan
     mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
         + (" regather" if plan.tp_regather else "")
-    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "")
+    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "") + (f" ({split_words(plan)})" if split_words(plan) else "")
     stack = stack_words(plan)
     return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
             f"recompute {plan.recompute}, {plan.order}" + (f", {stack}" if stack else ""))
