@@ -79,6 +79,14 @@ def test_memory_adds_the_fp8_copies_and_scaling_state_exactly():
         assert fp8[kind] == bf16[kind]
 
 
+def test_zero3_shards_the_fp8_copies_over_data_and_context_parallelism():
+    model = load_model("layers=4,hidden=1024,heads=16,seq=8192,vocab=32000")
+    plan = Plan(tp=1, cp=2, pp=2, dp=2, zero=3, mbs=1, gbs=8, attention="flash")
+    bf16, fp8 = predict(model, H100, plan).memory_bytes, predict(model, H100, plan, "fp8").memory_bytes
+    copies = 2 * 2 * LINEAR_WEIGHTS / (2 * 2)  # two layers a stage, sharded over dp x cp = 4
+    assert fp8["weights"] - bf16["weights"] == copies + 2 * 4 * 5 * (2 + 1024) * 4
+
+
 def test_the_step_casts_the_updated_weights_once():
     bf16, fp8 = predict(MODEL, H100, PLAN), predict(MODEL, H100, PLAN, "fp8")
     elements = 2 * LINEAR_WEIGHTS / 2  # two layers a stage, half of each matrix a device

@@ -29,9 +29,9 @@ SCALING_BYTES_PER_GEMM = SCALED_TENSORS * (2 + AMAX_HISTORY) * FP32  # scale, in
 
 def stage_linear_weights(model, c, layers):
     """Weight elements of the `layers` layers' GEMMs one device holds (its tensor-parallel shard;
-    a ZeRO-3 shard of them over the data-parallel group, as its bf16 weights)."""
+    a ZeRO-3 shard of them over the data- and context-parallel group, as its bf16 weights)."""
     held = layers * counts.linear_weight_params(model) / weight_shard(c.tp_mode, c.tp, c.tp_depth)
-    return held / np.where(c.zero >= 3, c.dp, 1)
+    return held / np.where(c.zero >= 3, c.dp_cp, 1)
 
 
 def weight_copy_bytes(model, c, layers):
