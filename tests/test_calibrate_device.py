@@ -10,7 +10,7 @@ import pytest
 
 from perfsim.errors import PerfsimError
 from validate import device as vdev
-from validate.campaign import rank_environment
+from validate.ranks import rank_environment
 
 
 def fake_torch(xccl=None, gloo=True, nccl=True, xpu=True, cuda=False, distributed=True):

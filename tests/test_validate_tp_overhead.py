@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import run_rank_check  # noqa: E402
-from validate.tp_overhead import LAYOUTS, overhead  # noqa: E402
+from validate.microbench import TP_OVERHEAD_LAYOUTS as LAYOUTS  # noqa: E402
+from validate.tp_overhead import overhead  # noqa: E402
 
 # fp32, one layer of hidden 64: the two differ only in the order partial sums are added
 ATOL = 1e-5

@@ -6,10 +6,8 @@ Compute points run on every rank at once (as in training, where every device is 
 record holds rank 0's statistics and each rank's median. Collective points time the slowest
 rank of each repetition.
 
-Ranks come from the launcher's environment: RANK / WORLD_SIZE / LOCAL_RANK (torchrun and the
-local launcher), else PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID (mpiexec on SMNG-P2, Cray PALS),
-else Open MPI's or Slurm's. MASTER_ADDR / MASTER_PORT come from the job (the Slurm script) or
-the local launcher.
+Ranks come from the launcher's environment (validate.ranks.rank_environment). MASTER_ADDR /
+MASTER_PORT come from the job (the Slurm script) or the local launcher.
 """
 
 from __future__ import annotations
@@ -21,46 +19,7 @@ import time
 from dataclasses import dataclass
 
 from perfsim.errors import PerfsimError
-
-RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
-
-
-@dataclass(frozen=True)
-class Ranks:
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-
-
-def _first_int(environ, names, default):
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise PerfsimError(f"environment variable {name}={value!r} is not a whole number") from None
-    return default
-
-
-def rank_environment(environ=None) -> Ranks:
-    """This process's place in the job, from the launcher's environment."""
-    environ = os.environ if environ is None else environ
-    rank = _first_int(environ, RANK_VARS, 0)
-    world = _first_int(environ, SIZE_VARS, 1)
-    local_rank = _first_int(environ, LOCAL_RANK_VARS, rank)
-    local_world = _first_int(environ, LOCAL_SIZE_VARS, 0)
-    if not local_world:
-        per_node = _first_int(environ, ("SLURM_NTASKS_PER_NODE",), 0)
-        local_world = per_node or world
-    if not 0 <= rank < world:
-        raise PerfsimError(f"rank {rank} is outside a world of {world} ranks; check the launcher's environment")
-    return Ranks(rank, world, local_rank, min(local_world, world))
-
+from validate.ranks import rank_environment
 
 DERIVED_PLAN_KEYS = ("dp", "gbs")  # each rank derives them from the world size
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from validate.gpt import causal_bias
-from validate.steps import TensorParallelStep, initialise, synthetic_batches
+from validate.training import TensorParallelStep, initialise, synthetic_batches
 
 KV_TAG, DKV_TAG = 1, 2  # two messages may go to the same peer in one step (cp = 2): told apart by tag
 FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 5  # matrix products a block runs each way
@@ -295,7 +295,7 @@ class ContextParallelStep(TensorParallelStep):
             raise ValueError("; ".join(reasons))
         cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention)
         mesh, cp_group, self.grad_group = data_context_groups(torch.device(device).type, plan.tp, plan.cp, plan.dp)
-        with torch.device("meta"):  # sharded before it gets memory, as validate.steps.TensorParallelStep
+        with torch.device("meta"):  # sharded before it gets memory, as validate.training.TensorParallelStep
             net = GPT(cfg).to(dtype=dtype)
         if plan.tp > 1:
             parallelize(net, mesh["tp"], False)

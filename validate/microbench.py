@@ -147,6 +147,23 @@ def burst_rows(rows: int, seconds: float, target: float) -> int:
     return int(min(64 * rows, max(16, round(rows * target / seconds))))
 
 
+# tp_overhead points (validate/tp_overhead.py measures them)
+TP_OVERHEAD_LAYOUTS = ("1d", "1d_sp")  # the microbenchmark's ops: without and with sequence parallelism
+TP_OVERHEAD_CPU_SEQS = (64, 128, 256)  # tokens of the CPU measurements (below)
+
+
+def tp_overhead_seqs(device_kind: str, seq: int, tp: int) -> tuple:
+    """The sequence lengths the overhead is measured at. On a GPU the model's own: whether host
+    time shows depends on how long the kernels run. On a CPU core, where host time always adds,
+    short ones: layers of tens of ms, where a difference of a few ms stands out of the machine's
+    noise (at the whole sequence, seconds a layer, it would not); DTensor's work is per op, not per
+    element, and three lengths show whether that holds. Each divisible by `tp` (SP splits the
+    sequence)."""
+    if device_kind != "cpu":
+        return (seq,)
+    return tuple(sorted({max(tp, min(seq, s) // tp * tp) for s in TP_OVERHEAD_CPU_SEQS}))
+
+
 def _shape(**dims) -> tuple:
     return tuple(sorted((k, int(v)) for k, v in dims.items()))
 
@@ -343,11 +360,9 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                         add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
                                   timing=COLLECTIVE_TIMING))
     if "tp_overhead" in suites and plan.tp > 1 and plan.tp_mode == "1d":
-        from validate.tp_overhead import LAYOUTS, overhead_seqs
-
         dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
-        for layout in LAYOUTS:
-            for seq in overhead_seqs(kind, model.seq, plan.tp):
+        for layout in TP_OVERHEAD_LAYOUTS:
+            for seq in tp_overhead_seqs(kind, model.seq, plan.tp):
                 add(Point("tp_overhead", layout, dtype, _shape(mbs=plan.mbs, seq=seq, hidden=model.hidden,
                                                                heads=model.heads),
                           group=(plan.tp, int(columns_of(plan).strides["tp"])), origin="plan"))

@@ -208,7 +208,7 @@ def run_case(torch, grid, model, mode, depth, recompute, mbs, regather=False) ->
 
 
 def main(argv=None) -> int:
-    from validate.campaign import rank_environment
+    from validate.ranks import rank_environment
     from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
 
     parser = check_parser("python -m validate.multidim_check", MODEL,

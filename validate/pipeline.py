@@ -28,7 +28,7 @@ from torch import nn
 
 from validate.gpt import GPT
 from validate.loss import cross_entropy
-from validate.steps import seeded_gpt, synthetic_batches
+from validate.training import seeded_gpt, synthetic_batches
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

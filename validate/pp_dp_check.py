@@ -179,7 +179,7 @@ def run_case(torch, dist, model, name: str) -> dict:
     from validate.instrument import RECV, SEND, CollectiveCounter, LocalFlopCounter, SavedBytes
     from validate.pipeline import Pipeline, token_loss
     from validate.sharded_dp import DataParallel
-    from validate.steps import synthetic_batches
+    from validate.training import synthetic_batches
 
     plan = case_plan(name)
     cfg = GPTConfig.from_spec(model, 1, plan.recompute)

@@ -7,6 +7,10 @@ rank's result of a case gathered on all ranks, and rank 0's JSON file.
         cases = [{"case": name, "ranks": every_rank(run_case(...))} for name in ...]
         write_on_rank0(ranks, args.out, model=args.model, cases=cases)
 
+Every rank also finds its place in the job here (rank_environment): RANK / WORLD_SIZE /
+LOCAL_RANK (torchrun and the local launcher), else PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID
+(mpiexec on SMNG-P2, Cray PALS), else Open MPI's or Slurm's.
+
 No torch is imported until gloo_ranks starts, so a check's module imports without it.
 """
 
@@ -16,6 +20,48 @@ import argparse
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+from perfsim.errors import PerfsimError
+
+RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def _first_int(environ, names, default):
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise PerfsimError(f"environment variable {name}={value!r} is not a whole number") from None
+    return default
+
+
+def rank_environment(environ=None) -> Ranks:
+    """This process's place in the job, from the launcher's environment."""
+    environ = os.environ if environ is None else environ
+    rank = _first_int(environ, RANK_VARS, 0)
+    world = _first_int(environ, SIZE_VARS, 1)
+    local_rank = _first_int(environ, LOCAL_RANK_VARS, rank)
+    local_world = _first_int(environ, LOCAL_SIZE_VARS, 0)
+    if not local_world:
+        per_node = _first_int(environ, ("SLURM_NTASKS_PER_NODE",), 0)
+        local_world = per_node or world
+    if not 0 <= rank < world:
+        raise PerfsimError(f"rank {rank} is outside a world of {world} ranks; check the launcher's environment")
+    return Ranks(rank, world, local_rank, min(local_world, world))
 
 
 def check_parser(prog: str, model: str, cases_help: str) -> argparse.ArgumentParser:
@@ -31,7 +77,7 @@ def check_parser(prog: str, model: str, cases_help: str) -> argparse.ArgumentPar
 
 @contextmanager
 def gloo_ranks(timeout_s: float):
-    """This process as one rank of a gloo process group (validate.campaign.rank_environment's
+    """This process as one rank of a gloo process group (rank_environment's
     rank and world, OMP_NUM_THREADS torch threads, default 1); yields its Ranks. A collective
     that waits longer than `timeout_s` raises, so a dead rank ends the check instead of hanging it."""
     from datetime import timedelta
@@ -41,8 +87,6 @@ def gloo_ranks(timeout_s: float):
     die_with_launcher()
     import torch
     import torch.distributed as dist
-
-    from validate.campaign import rank_environment
 
     ranks = rank_environment()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -25,7 +25,7 @@ import copy
 
 from validate.gpt import GPT
 from validate.pipeline import token_loss
-from validate.steps import seeded_gpt, synthetic_batches
+from validate.training import seeded_gpt, synthetic_batches
 
 ZERO = (0, 1, 2, 3)
 

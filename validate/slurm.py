@@ -3,7 +3,7 @@
 
 One rank per Max 1550 tile (FLAT device hierarchy, 8 tiles per node), started by `mpiexec -ppn 8`;
 each rank reads its rank and local rank from PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID
-(validate.campaign.rank_environment), the rendezvous address from MASTER_ADDR / MASTER_PORT, which
+(validate.ranks.rank_environment), the rendezvous address from MASTER_ADDR / MASTER_PORT, which
 the script sets from the allocation. The environment is the one the SMNG-P2 LLM study validated
 (shared/reference/hardware.md). After the campaign the script fits the profile on the first node.
 No torch is needed to write the script.

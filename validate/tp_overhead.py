@@ -19,21 +19,9 @@ from __future__ import annotations
 import statistics
 import time
 
-LAYOUTS = ("1d", "1d_sp")  # the microbenchmark's ops: without and with sequence parallelism
+from validate.microbench import TP_OVERHEAD_LAYOUTS
+
 REPEATS = 24  # alternating rounds; their per-round differences' median is the overhead
-CPU_SEQS = (64, 128, 256)  # tokens of the CPU measurements (below)
-
-
-def overhead_seqs(device_kind: str, seq: int, tp: int) -> tuple:
-    """The sequence lengths the overhead is measured at. On a GPU the model's own: whether host
-    time shows depends on how long the kernels run. On a CPU core, where host time always adds,
-    short ones: layers of tens of ms, where a difference of a few ms stands out of the machine's
-    noise (at the whole sequence, seconds a layer, it would not); DTensor's work is per op, not per
-    element, and three lengths show whether that holds. Each divisible by `tp` (SP splits the
-    sequence)."""
-    if device_kind != "cpu":
-        return (seq,)
-    return tuple(sorted({max(tp, min(seq, s) // tp * tp) for s in CPU_SEQS}))
 
 
 def _functions(torch, group):
@@ -296,7 +284,7 @@ def main(argv=None) -> int:
         cfg = GPTConfig(1, 64, 4, 16, 64)
         device = Device("cpu", ranks.local_rank, 1)
         cases = []
-        for layout in LAYOUTS if args.cases == "all" else args.cases.split(","):
+        for layout in TP_OVERHEAD_LAYOUTS if args.cases == "all" else args.cases.split(","):
             sp = layout == "1d_sp"
             same = compare_layers(torch, dist.group.WORLD, cfg, sp, 2)
             record = measure_layer(torch, device, dist.group.WORLD, cfg, sp, 2, torch.bfloat16, args.repeats)

@@ -229,7 +229,8 @@ def run(args) -> None:
         raise PerfsimError("give --device cpu|cuda|xpu (or --fit LEDGER, or --emit-slurm FILE --nodes N)")
     _import_validate()
     if args.worker:
-        from validate.campaign import rank_environment, run_worker
+        from validate.campaign import run_worker
+        from validate.ranks import rank_environment
         from validate.launcher import die_with_launcher
 
         die_with_launcher()  # a rank of launch_local: it dies with the launcher
