@@ -281,6 +281,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
     if fp8:
         forward, backward = fp8_cast_times(device, gemms)
         total.time_s, total.backward_s = total.time_s + forward, total.backward_s + backward
+        total.curve_s = total.curve_s + forward + backward  # streaming passes, no measured table of casts
     for op in memory_ops:
         time, backward, forward_share, backward_share = memory_times_and_shares(device, op)
         if op.name in CORE_MEMORY_OPS:  # inside the fused kernel, in on-chip memory
