@@ -561,3 +561,18 @@ def test_tp_overhead_points_only_with_1d_tensor_parallelism():
     for plan in (Plan(tp=1, dp=2, mbs=1, gbs=2), Plan(tp=4, tp_mode="2d", mbs=1, gbs=1)):
         assert not [p for p in mb.build_points("cpu", ("bf16",), model, plan, plan.devices, plan.devices, sweep)
                     if p.suite == "tp_overhead"]
+
+
+def test_a_kind_no_bandwidth_explains_keeps_memory_efficiency():
+    """A kind whose points run faster than one kernel overhead (a quick campaign's lone tiny point)
+    would fit an efficiency at the bound (1000 x the bandwidth) and price that kind absurdly fast
+    everywhere; it is left out, with a note, and keeps memory_efficiency."""
+    base, truth = _truth()
+    records = synthetic_records(truth, noise=0.0)
+    for r in records:
+        if r["suite"] == "memory" and r["op"] == "layernorm":
+            r["stats"]["median_s"] = 1e-9
+    calibration = cal.fit(records, base, "fast.jsonl")
+    assert "device.operation_memory_efficiency.layernorm" not in calibration.values
+    assert "device.operation_memory_efficiency.softmax" in calibration.values
+    assert any("ran into its bounds" in n and "layernorm" in n for n in calibration.notes)

@@ -98,7 +98,7 @@ def _kind_fit(records, dev, ledger):
     from perfsim.cost.layer import MEMORY_BACKWARD, measured_memory_op, memory_time
     from perfsim.spec.system import MEMORY_OPERATIONS
 
-    values, rows, dtypes = {}, [], set()
+    values, rows, dtypes, bounded = {}, [], set(), []
     # per point: (held out?, measured, per-kind prediction, one-efficiency prediction)
     points: list = []
     for name in MEMORY_OPERATIONS:
@@ -118,6 +118,9 @@ def _kind_fit(records, dev, ledger):
         x = least_squares(lambda x: np.log(predict(math.exp(x[0]), fit) / t_fit), [math.log(dev.memory_efficiency)],
                            ([math.log(1e-4)], [math.log(1e3)]))
         efficiency = math.exp(x[0])
+        if not 1.01e-4 < efficiency < 0.99e3:  # no bandwidth explains it: e.g. faster than one kernel overhead
+            bounded.append(f"{name} ({len(fit)} points)")
+            continue
         for is_held, rs in ((False, fit), (True, held)):
             if rs:
                 points += zip([is_held] * len(rs), measured_times(rs), predict(efficiency, rs), predict(None, rs))
@@ -131,8 +134,10 @@ def _kind_fit(records, dev, ledger):
                         f"{kernel} / (memory_bandwidth_Bps x efficiency) + kernel_overhead_s "
                         f"{dev.kernel_overhead_s * 1e6:.3g} us, least squares on log time through "
                         f"perfsim.cost.layer.memory_time)")
+    left = ([f"no per-kind efficiency where the fit ran into its bounds (the kind's time is not bytes over a "
+             f"bandwidth plus the kernel overhead; it keeps memory_efficiency): {', '.join(bounded)}"] if bounded else [])
     if not rows:
-        return values, rows, []
+        return values, rows, left
 
     def error(held: bool, column: int):
         chosen = [p for p in points if p[0] == held]
@@ -144,5 +149,5 @@ def _kind_fit(records, dev, ledger):
                                          f"held-out {100 * held_one:.1f}%")
     notes = [f"per-kind element-wise efficiencies fitted on {'/'.join(sorted(dtypes))} points (the dtype a training "
              f"step runs its element-wise kernels in, where measured); kinds not measured keep memory_efficiency, "
-             f"and backward kernels not measured take {MEMORY_BACKWARD:g} x the forward time"]
+             f"and backward kernels not measured take {MEMORY_BACKWARD:g} x the forward time"] + left
     return values, [head] + rows, notes

@@ -18,7 +18,7 @@ only has to be right where nothing was measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class KernelTable:
     dtype: str
     points: tuple
     width: float = 0.5
+    source: str = ""  # where the points come from (a table's provenance is always "measured")
 
     @property
     def coordinates(self) -> np.ndarray:
@@ -104,10 +105,9 @@ def leave_one_out_error(table: KernelTable, curve_at_points) -> float:
 def best_width(table: KernelTable, curve_at_points) -> KernelTable | None:
     """`table` with the width of WIDTHS that predicts its points best from the others; None when
     the curve alone predicts them better (points too noisy, or too sparse, to interpolate)."""
-    errors = {w: leave_one_out_error(KernelTable(table.kernel, table.dtype, table.points, w), curve_at_points)
-              for w in WIDTHS}
+    errors = {w: leave_one_out_error(replace(table, width=w), curve_at_points) for w in WIDTHS}
     width = min(errors, key=errors.get)
     curve_error = float(np.mean(np.abs(np.asarray(curve_at_points, float) - table.seconds) / table.seconds))
     if curve_error <= errors[width]:
         return None
-    return KernelTable(table.kernel, table.dtype, table.points, width)
+    return replace(table, width=width)

@@ -240,7 +240,7 @@ MOST_TABLE_POINTS = 100_000  # a table is interpolated point by point: more is a
 _MEASURED_KERNELS = {"device": None, "collectives": OPERATIONS}
 
 
-def _measured_tables(where: str, raw, provenance: dict, section: str = "device") -> tuple:
+def _measured_tables(where: str, raw, section: str = "device") -> tuple:
     """[<section>.measured.<kernel>.<dtype>] tables as KernelTables (perfsim.cost.measured), in
     file order; every problem names the table. Device tables hold GEMMs and element-wise kernels,
     collectives tables the operations (by group size, stride and bytes)."""
@@ -285,8 +285,8 @@ def _measured_tables(where: str, raw, provenance: dict, section: str = "device")
                                for x in row)):
                     raise PerfsimError(f"{where}: {key}.points[{i}] must be {len(columns)} positive numbers "
                                        f"({', '.join(columns)}), got {row!r}")
-            tables.append(KernelTable(kernel, dtype, tuple(tuple(float(x) for x in row) for row in points), float(width)))
-            provenance[key] = ("measured", table["source"])
+            tables.append(KernelTable(kernel, dtype, tuple(tuple(float(x) for x in row) for row in points), float(width),
+                                      table["source"]))
     return tuple(tables)
 
 
@@ -400,7 +400,7 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                 values[key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
         if section in _MEASURED_KERNELS and "measured" in raw:
-            values["measured"] = _measured_tables(where, raw["measured"], provenance, section)
+            values["measured"] = _measured_tables(where, raw["measured"], section)
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
