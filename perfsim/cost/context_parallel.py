@@ -41,6 +41,8 @@ def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backwar
     device: cp-1 steps each way, each beside 1/cp of the attention core's forward (backward)
     time (`core_forward_s`, `core_backward_s`: the rank's whole attention core, all blocks);
     0 without context parallelism."""
+    if not np.any(np.asarray(c.cp) > 1):  # a batch without cp (the search's usual one) sends nothing
+        return 0.0, 0.0
     forward_step, backward_step = ring_step_times(comm, model, c)
     steps = c.cp - 1
     forward = ring_exposure(forward_step, core_forward_s / c.cp, steps)
