@@ -243,3 +243,17 @@ def test_collective_tables_correct_the_link_model_at_their_group_and_leave_other
     assert float(comm.all_reduce(big, 8, 1)) == pytest.approx(float(plain.all_reduce(big, 8, 1)), rel=0.05)
     arrays = comm.all_reduce(np.array([big, small, big]), np.array([2, 2, 1]), np.array([1, 1, 1]))
     np.testing.assert_allclose(arrays, [float(comm.all_reduce(big, 2, 1)), float(comm.all_reduce(small, 2, 1)), 0.0])
+
+
+def test_an_fp8_step_uses_the_bf16_tables_for_what_runs_in_bf16_and_none_for_its_fp8_gemms():
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    table = _gemm_table(system.device, peak, [(1024, 1024, 1024)])
+    device = dataclasses.replace(system.device, measured=(table,), peak_flops_fp8=4 * peak)
+    fp8 = for_dtype(dataclasses.replace(system, device=device), "fp8").device
+    assert fp8.kernel_dtype == "bf16"
+    g = Gemm("g", 1, 1024, 1024, 1024)
+    bf16_time, bf16_share = gemm_time_and_share(fp8, peak, g)  # a bf16 GEMM of the fp8 step (attention, logits)
+    assert bf16_share < 0.1 and bf16_time < 0.5 * float(gemm_curve_time(fp8, peak, 1, 1024, 1024, 1024))
+    fp8_time, fp8_share = gemm_time_and_share(fp8, 4 * peak, g)  # a weight GEMM at the fp8 peak: the curve
+    assert fp8_share == 1.0 and fp8_time == pytest.approx(float(gemm_curve_time(fp8, 4 * peak, 1, 1024, 1024, 1024)))

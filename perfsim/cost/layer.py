@@ -110,8 +110,8 @@ def gemm_time_and_share(device: Device, peak_flops: float, g: Gemm) -> tuple:
     share 1 without them)."""
     time = gemm_curve_time(device, peak_flops, g.count, g.m, g.n, g.k)
     table = measured.find_table(device.measured, measured.GEMM, device.kernel_dtype)
-    if table is None:
-        return time, 1.0
+    if table is None or peak_flops != getattr(device, f"peak_flops_{table.dtype}", None):
+        return time, 1.0  # no table, or a GEMM in another dtype than the table's (an fp8 step's weight GEMMs)
     factor, share = measured.correction(table, [g.count, g.m, g.n, g.k],
                                         gemm_curve_time(device, peak_flops, *table.coordinates_linear()))
     return time * factor, share

@@ -293,9 +293,15 @@ def _measured_tables(where: str, raw, section: str = "device") -> tuple:
 def for_dtype(system, dtype: str):
     """`system` whose device applies its measured tables of `dtype`, its kernels' and its
     collectives' (the same system when it has none)."""
+    dtype = TABLE_DTYPE_OF.get(dtype, dtype)
     if not (system.device.measured or system.collectives.measured) or system.device.kernel_dtype == dtype:
         return system
     return replace(system, device=replace(system.device, kernel_dtype=dtype))
+
+
+# An fp8 step runs its element-wise kernels, attention and communication in bf16 (docs/equations.md
+# 3.11): their tables are bf16's; its fp8 GEMMs take no table of another dtype (gemm_time_and_share).
+TABLE_DTYPE_OF = {"fp8": "bf16"}
 
 
 def _refuse_unknown(where: str, table: dict, allowed, prefix: str, holds: str) -> None:
