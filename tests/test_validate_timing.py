@@ -374,3 +374,10 @@ def test_context_parallel_plans_the_harness_runs(plan, problem):
     problems = timing.harness_problems(Plan(**plan))
     assert problems == [] if problem is None else any(problem in p for p in problems)
     assert "cp2" in timing.plan_label(Plan(**plan))
+
+
+def test_uneven_pipeline_splits_are_refused_by_the_harness():
+    """validate.pipeline splits the layers evenly: an uneven plan would be timed as an even one
+    against an uneven prediction."""
+    assert timing.harness_problems(Plan(pp=2, first_stage_layers=1, gbs=4)) != []
+    assert timing.harness_problems(Plan(pp=2, gbs=4)) == []

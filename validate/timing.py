@@ -121,6 +121,9 @@ def harness_problems(plan) -> list:
     for knob in ("dp_overlap", "tp_overlap"):
         if getattr(plan, knob):
             problems.append(f"the harness issues its collectives between the computations; leave {knob} off")
+    if getattr(plan, "first_stage_layers", 0) or getattr(plan, "last_stage_layers", 0):
+        problems.append("the harness's pipeline splits the layers evenly over its stages; leave first_stage_layers "
+                        "and last_stage_layers out")
     return problems
 
 
