@@ -98,3 +98,18 @@ def test_ranges_do_not_move_the_point_prediction():
     a, b = predict("gpt3-175b", with_ranges, SMNG_175B), predict("gpt3-175b", without, SMNG_175B)
     assert a.step_time_s == b.step_time_s and a.memory_bytes == b.memory_bytes
     assert a.time_breakdown_s == b.time_breakdown_s
+
+
+def test_measured_tables_are_not_numbers_to_draw():
+    """A calibrated profile's measured kernel tables carry provenance but are no single number."""
+    import dataclasses
+
+    from perfsim.cost.measured import KernelTable
+
+    s = load_system("cpu-calibrated")
+    table = KernelTable("gemm", "bf16", ((1, 64, 64, 64, 1e-5), (1, 128, 128, 128, 5e-5)))
+    s = dataclasses.replace(s, device=dataclasses.replace(s.device, measured=(table,)),
+                            provenance=s.provenance | {"device.measured.gemm.bf16": ("measured", "a test")})
+    ranges = profile_ranges(s)
+    assert "device.measured.gemm.bf16" not in ranges and "device.gemm_efficiency" in ranges
+    assert draw(s, 16).n == 16

@@ -461,8 +461,9 @@ def number_value(system: System, key: str):
     section, _, rest = key.partition(".")
     name, _, entry = rest.partition(".")
     value = getattr(getattr(system, section), name, None)
-    if entry:
-        value = dict(value or ()).get(entry) if isinstance(value, tuple) else None
+    if entry:  # an entry of a per-operation table, ((name, value), ...); a measured table is no number
+        pairs = [p for p in value if isinstance(p, tuple) and len(p) == 2] if isinstance(value, tuple) else []
+        value = dict(pairs).get(entry)
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
