@@ -17,6 +17,7 @@ import pytest
 from perfsim.errors import PerfsimError
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan, plan_problems
+from perfsim.spec.system import load_system
 from validate import timing
 
 MODEL = "layers=2,hidden=64,heads=4,seq=32,vocab=512,tied_embeddings=false,dropout=false"
@@ -381,3 +382,22 @@ def test_uneven_pipeline_splits_are_refused_by_the_harness():
     against an uneven prediction."""
     assert timing.harness_problems(Plan(pp=2, first_stage_layers=1, gbs=4)) != []
     assert timing.harness_problems(Plan(pp=2, gbs=4)) == []
+
+
+@pytest.mark.multiprocess
+def test_fp32_steps_are_priced_in_four_byte_tensors(tmp_path):
+    """Trained in fp32, every activation, weight and message has 4 bytes where bf16 has 2: the
+    harness's counted bytes sent equal the prediction exactly, and its saved activations and peak
+    memory follow the fp32 prediction, not the bf16 one (which is about half)."""
+    plans = timing.parse_plans("tp=2,mbs=2,gbs=4;dp=2,mbs=2,gbs=4")
+    results = timing.run_plans(plans, MODEL, "cpu-calibrated", "cpu", 2, "fp32", steps=1,
+                               ledger_path=str(tmp_path / "fp32.jsonl"), timeout_s=60, threads=1,
+                               progress=lambda m: None)
+    model = load_model(MODEL)
+    for plan, r in zip(plans, results):
+        assert r["comm_bytes"]["counted"] == pytest.approx(r["comm_bytes"]["predicted"], rel=1e-12), plan
+        bf16 = timing.predicted(model, timing.harness_system(load_system("cpu-calibrated"), "bf16"), plan, "bf16")
+        assert r["activation_bytes"]["predicted"] > 1.5 * bf16["activation_bytes"]  # the loss's fp32 copy stays 4 bytes
+        assert r["activation_bytes"]["counted"] == pytest.approx(r["activation_bytes"]["predicted"], rel=0.02)
+        measured = r["peak_memory_bytes"]["measured"]  # the allocator's: a few % of run-to-run scatter
+        assert abs(measured - r["peak_memory_bytes"]["predicted"]) < abs(measured - bf16["peak_memory_bytes"])

@@ -214,7 +214,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
     from perfsim.predict import predict
 
     p = predict(model, system, plan, dtype)
-    sent = step_sent_bytes(model, system, plan)
+    sent = step_sent_bytes(model, system, plan, dtype)
     return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
             "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "cp", "pp", "dp") if k in sent},
             "activation_bytes": p.memory_bytes["activations"],

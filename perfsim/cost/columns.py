@@ -40,6 +40,7 @@ class Columns:
     first_layers: object = 0  # the first stage's own layer count (0: even split; stage_layer_count)
     last_layers: object = 0  # the last stage's own layer count (0: even split)
     cp: object = 1  # context parallelism: ranks sharing each sequence
+    element: float = 2.0  # bytes of a weight and an activation element: 2 (bf16, fp16, fp8's bf16), 4 in fp32 (at_dtype)
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
@@ -74,9 +75,15 @@ def joint_stride(size_a, stride_a, size_b, stride_b):
     return np.where(size_a == 1, stride_b, np.where(size_b == 1, stride_a, joint))
 
 
+# bytes of a weight and an activation element by training dtype: fp8 keeps bf16 activations and
+# weights beside its FP8 copies (docs/equations.md 3.11)
+ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 2.0}
+
+
 def at_dtype(c: Columns, dtype: str) -> Columns:
-    """`c` trained in `dtype` (only fp8 changes the cost formulas; docs/equations.md 3.11)."""
-    return replace(c, fp8=int(dtype == "fp8"))
+    """`c` trained in `dtype`: fp8 GEMMs (docs/equations.md 3.11), and tensors of its element size
+    (fp32: 4 bytes where bf16 has 2, in memory, element-wise traffic and communication)."""
+    return replace(c, fp8=int(dtype == "fp8"), element=ELEMENT_BYTES.get(dtype, 2.0))
 
 
 def columns_of(plan: Plan) -> Columns:

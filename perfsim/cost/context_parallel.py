@@ -21,17 +21,17 @@ from perfsim.cost.overlap import ring_exposure
 from perfsim.spec.model import ModelSpec
 
 
-def kv_block_bytes(model: ModelSpec, mbs, cp, tp):
+def kv_block_bytes(model: ModelSpec, mbs, cp, tp, element=BF16):
     """Bytes of one key/value block a rank passes on: keys and values of its s/cp tokens of each
-    of the mbs sequences, for the tp-th share of the key/value heads."""
-    return 2 * BF16 * mbs * model.seq / cp * model.kv_hidden / tp
+    of the mbs sequences, for the tp-th share of the key/value heads, `element` bytes each."""
+    return 2 * element * mbs * model.seq / cp * model.kv_hidden / tp
 
 
 def ring_step_times(comm, model: ModelSpec, c) -> tuple:
     """(forward, backward) seconds of one ring step: every rank sends its block to the next rank
     of its cp group and receives one from the previous, all groups at once (one step of the flat
     ring over (cp, its stride)); backward sends the block and its gradient."""
-    block = kv_block_bytes(model, c.mbs, c.cp, c.tp)
+    block = kv_block_bytes(model, c.mbs, c.cp, c.tp, c.element)
     bandwidth, latency = comm.link(c.cp, c.strides["cp"])
     return block / bandwidth + latency, 2 * block / bandwidth + latency
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfsim.cost.columns import FULL, Columns, stage_layer_count
-from perfsim.cost.layer import BF16, MemoryOp, memory_time
+from perfsim.cost.layer import MemoryOp, memory_time
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.tensor_parallel import weight_shard
@@ -61,7 +61,7 @@ def step_reduction_time(system: System, comm, c: Columns, params, units=1):
     reduction = np.where(c.zero == 0, comm.all_reduce(grads, group, stride),
                          np.where(c.zero == 1, comm.reduce_scatter(grads, group, stride), 0.0))
     calls = np.where((c.zero == 2) & is_fsdp2(system), units, 1)
-    gather = calls * comm.all_gather(BF16 * params / calls, group, stride)
+    gather = calls * comm.all_gather(c.element * params / calls, group, stride)
     if is_fsdp2(system):
         gather = gather + np.where((c.zero == 2) & (group > 1), fsdp2_copy_times(system, c, params)[0], 0.0)
     return reduction, np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
@@ -93,11 +93,11 @@ def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, ba
 def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
     """Raw time of the per-micro-batch collectives of ZeRO-2 and ZeRO-3 on `params` parameters
     in `units` modules of equal size, one call each (1: a single call, ZeRO-2's bucket), nothing
-    hidden: (gradient reduce-scatters, one all-gather of the bf16 weights). The event simulator
+    hidden: (gradient reduce-scatters, one all-gather of the weights, c.element bytes each). The event simulator
     overlaps them itself; `microbatch_reduction_time` gives what the closed form exposes."""
     group, stride = c.dp_cp, c.strides["dp_cp"]
     scatter = units * comm.reduce_scatter(system.framework.grad_bytes_per_param * params / units, group, stride)
-    return scatter, units * comm.all_gather(BF16 * params / units, group, stride)
+    return scatter, units * comm.all_gather(c.element * params / units, group, stride)
 
 
 def fsdp2_copy_times(system: System, c: Columns, params):
@@ -113,7 +113,7 @@ def fsdp2_copy_times(system: System, c: Columns, params):
 
     def copy(name, nbytes):
         return memory_time(device, MemoryOp(name, nbytes))
-    gather = copy("fsdp2_copy_in", 2 * BF16 * params / d) + copy("fsdp2_copy_out", 2 * BF16 * params)
+    gather = copy("fsdp2_copy_in", 2 * c.element * params / d) + copy("fsdp2_copy_out", 2 * c.element * params)
     return gather, copy("fsdp2_scatter_copy_in", 2 * grad * params), copy("fsdp2_accumulate", 3 * grad * params / d)
 
 
@@ -142,8 +142,8 @@ def optimizer_time(system: System, c: Columns, params):
     """Adam on the device's share of the parameters (sharded from ZeRO-1 on): memory-bound.
 
     Per parameter it reads the gradient twice (norm for clipping, then the update), reads and
-    writes fp32 master, momentum and variance, and writes the bf16 weight."""
+    writes fp32 master, momentum and variance, and writes the weight (c.element bytes)."""
     dev = system.device
     updated = params / np.where(c.zero >= 1, c.dp_cp, 1)
-    per_param = 2 * system.framework.grad_bytes_per_param + 2 * OPTIMIZER_BYTES_PER_PARAM + BF16
+    per_param = 2 * system.framework.grad_bytes_per_param + 2 * OPTIMIZER_BYTES_PER_PARAM + c.element
     return updated * per_param / (dev.memory_bandwidth_Bps * dev.memory_efficiency) + 2 * dev.kernel_overhead_s

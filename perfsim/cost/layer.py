@@ -184,26 +184,27 @@ def _op(name: str, nbytes) -> MemoryOp:
     return MemoryOp(name, nbytes, OP_KINDS.get(name, ""))
 
 
-def layer_memory_ops(model: ModelSpec, b, split, region_split) -> list[MemoryOp]:
-    s, h, f, t = model.seq, model.hidden, model.ffn_size, split
+def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16) -> list[MemoryOp]:
+    """The element-wise ops of one layer, their tensors of `element` bytes (4 when training in fp32)."""
+    s, h, f, t, e = model.seq, model.hidden, model.ffn_size, split, element
     region = b * s * h / region_split  # elements of the norm/dropout/residual region
     scores = b * model.heads * s * s / t
     ops = [
-        _op("norm1", kind_bytes("layernorm") * region),
-        _op("softmax", kind_bytes("softmax") * scores),
-        _op("residual1", kind_bytes("add") * region),
-        _op("norm2", kind_bytes("layernorm") * region),
+        _op("norm1", kind_bytes("layernorm", e) * region),
+        _op("softmax", kind_bytes("softmax", e) * scores),
+        _op("residual1", kind_bytes("add", e) * region),
+        _op("norm2", kind_bytes("layernorm", e) * region),
         # GeLU reads and writes the FC1 output; SwiGLU reads two halves and writes one (priced as
         # the gelu kind too).
-        _op("activation", (3 * BF16 if model.gated_mlp else kind_bytes("gelu")) * b * s * f / t),
-        _op("residual2", kind_bytes("add") * region),
+        _op("activation", (3 * e if model.gated_mlp else kind_bytes("gelu", e)) * b * s * f / t),
+        _op("residual2", kind_bytes("add", e) * region),
     ]
     if model.dropout:  # read, write, and a one-byte mask
-        ops += [_op("attn_dropout", kind_bytes("dropout") * scores),
-                _op("proj_dropout", kind_bytes("dropout") * region),
-                _op("mlp_dropout", kind_bytes("dropout") * region)]
+        ops += [_op("attn_dropout", kind_bytes("dropout", e) * scores),
+                _op("proj_dropout", kind_bytes("dropout", e) * region),
+                _op("mlp_dropout", kind_bytes("dropout", e) * region)]
     if not model.learned_positions:  # rotary embedding rewrites Q and K
-        ops.append(_op("rotary", 2 * BF16 * b * s * (h + model.kv_hidden) / t))
+        ops.append(_op("rotary", 2 * e * b * s * (h + model.kv_hidden) / t))
     return ops
 
 
@@ -294,22 +295,22 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
     return total
 
 
-def embedding_work(model: ModelSpec, device: Device, b, region_split) -> Work:
+def embedding_work(model: ModelSpec, device: Device, b, region_split, element=BF16) -> Work:
     """First stage: word-embedding gather (read rows, write [b, s, h]), position add, dropout,
-    on the device's share of the output."""
+    on the device's share of the output, in `element`-byte tensors."""
     full = b * model.seq * model.hidden / region_split
-    nbytes = 2 * BF16 * full
+    nbytes = 2 * element * full
     if model.learned_positions:
-        nbytes = nbytes + 3 * BF16 * full
+        nbytes = nbytes + 3 * element * full
     if model.dropout:
-        nbytes = nbytes + (2 * BF16 + 1) * full
+        nbytes = nbytes + (2 * element + 1) * full
     time, backward = memory_times(device, MemoryOp("embedding", nbytes))
     return Work(time_s=time, backward_s=backward, curve_s=time + backward)
 
 
-def head_memory_ops(model: ModelSpec, b, split, region_split, vocab) -> list[MemoryOp]:
-    """Last stage around the logits GEMM: final norm, and the cross-entropy in fp32 (read bf16
-    logits, write an fp32 copy, two fp32 reductions, keep the fp32 softmax for backward)."""
+def head_memory_ops(model: ModelSpec, b, split, region_split, vocab, element=BF16) -> list[MemoryOp]:
+    """Last stage around the logits GEMM: final norm, and the cross-entropy in fp32 (read the
+    `element`-byte logits, write an fp32 copy, two fp32 reductions, keep the fp32 softmax for backward)."""
     tokens = b * model.seq
-    return [_op("final_norm", kind_bytes("layernorm") * tokens * model.hidden / region_split),
-            _op("cross_entropy", kind_bytes("cross_entropy") * tokens * vocab / split)]
+    return [_op("final_norm", kind_bytes("layernorm", element) * tokens * model.hidden / region_split),
+            _op("cross_entropy", kind_bytes("cross_entropy", element) * tokens * vocab / split)]

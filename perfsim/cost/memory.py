@@ -23,7 +23,7 @@ OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and varianc
 
 
 def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
-                     gathered_weight_bytes=0.0, flash=0):
+                     gathered_weight_bytes=0.0, flash=0, element=BF16):
     """Bytes one layer keeps for backward per micro-batch on one device, tensor by tensor.
 
     `split` divides the tensors inside the tensor-parallel region, `region_split` the norm,
@@ -33,25 +33,26 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     without SP, (sbh/t)(34 + 5as/h) with SP, 34sbh/t (or sbh(10 + 24/t)) with selective
     recomputation, and 2sbh (2sbh/t with SP) with full recomputation. With `flash` attention no
     s x s tensor is kept: the fused kernel keeps one fp32 log-sum-exp per query row and head
-    instead (4as b/t bytes), and selective recomputation has nothing left to drop.
+    instead (4as b/t bytes), and selective recomputation has nothing left to drop. Tensors are of
+    `element` bytes (2 in bf16, the counts above; 4 when training in fp32), masks of 1.
     """
-    s, h, a, f, kv = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden
+    s, h, a, f, kv, e = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden, element
     sbh = s * b * h
     mask = 1 if model.dropout else 0
     region_inputs = region_split if linear_input_split is None else linear_input_split
     inputs = split if linear_input_split is None else linear_input_split
-    # norm inputs (2 x 2 sbh) and two dropout masks (1 byte each) in the norm region;
-    # QKV and FC1 inputs (2 x 2 sbh) there too, but kept by the linears
-    region = (4 + 2 * mask) * sbh / region_split + 4 * sbh / region_inputs
+    # norm inputs (2 x e sbh) and two dropout masks (1 byte each) in the norm region;
+    # QKV and FC1 inputs (2 x e sbh) there too, but kept by the linears
+    region = (2 * e + 2 * mask) * sbh / region_split + 2 * e * sbh / region_inputs
     # Q and K for the scores, V for the context; the context is the projection's input
-    attention = (2 * sbh + 4 * s * b * kv) / split + 2 * sbh / inputs
+    attention = (e * sbh + 2 * e * s * b * kv) / split + e * sbh / inputs
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
-    mlp = (4 if model.gated_mlp else 2) * s * b * f / split + 2 * s * b * f / inputs
-    scores = (2 + 3 * mask) * a * s * s * b / split  # softmax output, dropout mask and output
+    mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + e * s * b * f / inputs
+    scores = (e + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
     scores = np.where(recompute == SELECTIVE, 0, scores)
     scores = np.where(flash, FP32 * a * s * b / split, scores)
     kept = region + attention + mlp + gathered_weight_bytes + scores
-    return np.where(recompute == FULL, BF16 * sbh / region_split, kept)
+    return np.where(recompute == FULL, e * sbh / region_split, kept)
 
 
 def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
@@ -59,17 +60,18 @@ def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
     return activation_bytes(model, b, t, np.where(sp, t, 1), recompute)
 
 
-def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0):
+def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, element=BF16):
     """Any tensor-parallel mode. 3d keeps X gathered over one axis ([b/q, h_in/q]) and W gathered
     ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
     if layout.mode != "3d":
-        return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash)
+        return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash, element=element)
     keep = np.where((layout.regather > 0) | (layout.q == 1), 0, 1)  # one device gathers nothing
     linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
-    weights = keep * BF16 * linear_weights / layout.q**2
+    weights = keep * element * linear_weights / layout.q**2
     inputs = np.where(keep, layout.q**2, layout.size)
-    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash)
-    return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute), kept)
+    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash, element)
+    return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute,
+                                                        element=element), kept)
 
 
 def microbatches_in_flight(c: Columns, last_stage: bool):
@@ -130,15 +132,16 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     stage = "middle" if second else "last" if last_stage else "first"
     params = stage_params(model, c, stage)
     fsdp2 = (fw.zero_implementation == "fsdp2") & (c.zero >= 2) & (dp > 1)
-    weights = BF16 * params / np.where(c.zero >= 3, dp, 1)
+    e = c.element  # bytes of a weight and an activation element: 2, or 4 when training in fp32
+    weights = e * params / np.where(c.zero >= 3, dp, 1)
     # FSDP2's ZeRO-2 keeps the shard, the module's parameter, beside the copy gathered for the step
-    weights = weights + np.where(fsdp2 & (c.zero == 2), BF16 * params / dp, 0)
+    weights = weights + np.where(fsdp2 & (c.zero == 2), e * params / dp, 0)
     weights = weights + fp8.weight_copy_bytes(model, c, stage_layer_count(model, c, stage))  # FP8 copies, scaling state
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
     layout = layout_of(model, c)
-    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash)
+    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash, e)
     layers = stage_layer_count(model, c, stage)
     in_flight = microbatches_in_flight(c, last_stage)
     if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
@@ -146,32 +149,32 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash), 0)
+    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash, e), 0)
     first = (p == 1) | (not last_stage and not second)
     last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
     # final norm input, the logits GEMM input and the fp32 softmax the loss keeps for backward
-    head = BF16 * s * b * h / region + BF16 * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) \
+    head = e * s * b * h / region + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) \
         + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
-    buffers = np.where(p > 1, 2 * BF16 * s * b * h / t, 0)  # pipeline receive buffers
-    buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), BF16 * s * b * h, 0)  # SP all-gather
+    buffers = np.where(p > 1, 2 * e * s * b * h / t, 0)  # pipeline receive buffers
+    buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), e * s * b * h, 0)  # SP all-gather
     buffers = buffers + ring_attention_buffer_bytes(model, c)
-    # the bf16 logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
-    buffers = buffers + np.where(last, BF16 * s * b * vocab / t, 0)
+    # the logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
+    buffers = buffers + np.where(last, e * s * b * vocab / t, 0)
     shard = weight_shard(c.tp_mode, t, c.tp_depth)
-    layer_weights = BF16 * sum(counts.layer_params(model).values()) / shard
+    layer_weights = e * sum(counts.layer_params(model).values()) / shard
     zero3 = (c.zero >= 3) & (dp > 1)
     buffers = buffers + np.where(zero3 & ~fsdp2, 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
     # FSDP2 at its peak, a module's reduce-scatter: its unsharded gradients and their copy in the flat
     # input; ZeRO-3 also holds the module gathered and the next one prefetched. The module is the
     # largest of the stage's: a layer, or the word embedding or head on the stages holding them.
-    word = BF16 * model.padded_vocab(t) * h / shard
+    word = e * model.padded_vocab(t) * h / shard
     largest = np.maximum(layer_weights, np.where(first | last, word, 0))
-    grad_copies = 2 * fw.grad_bytes_per_param / BF16 * largest
+    grad_copies = 2 * fw.grad_bytes_per_param / e * largest
     buffers = buffers + np.where(fsdp2, grad_copies + np.where(zero3, largest + layer_weights, 0), 0)
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
@@ -184,7 +187,7 @@ def ring_attention_buffer_bytes(model: ModelSpec, c: Columns):
     """Receive buffers of ring attention (cp > 1), at their backward peak: the key/value block a
     rank computes with and the one arriving, and likewise two blocks of their gradients; a block
     is the (s/cp) x (kv heads / tp) x head_dim keys and values of the micro-batch, in bf16."""
-    return np.where(c.cp > 1, 4 * kv_block_bytes(model, c.mbs, c.cp, c.tp), 0.0)
+    return np.where(c.cp > 1, 4 * kv_block_bytes(model, c.mbs, c.cp, c.tp, c.element), 0.0)
 
 
 def allocated_bytes(total, framework):

@@ -18,7 +18,7 @@ from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
-from perfsim.cost.layer import (BF16, GEMM_BACKWARD, Work, embedding_work, gemm_rate, gemm_time,
+from perfsim.cost.layer import (GEMM_BACKWARD, Work, embedding_work, gemm_rate, gemm_time,
                                 head_memory_ops, layer_memory_ops, work)
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
@@ -72,13 +72,13 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
     gemms = tpc.layer_gemms(layout, model, b, c.cp)
-    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split), c.flash,
+    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split, c.element), c.flash,
                  c.fp8)
-    fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b)
+    fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b, c.element)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
         overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
-                                                             BF16 * b * model.seq * model.hidden, tp_time, c.fp8)
+                                                             c.element * b * model.seq * model.hidden, tp_time, c.fp8)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
@@ -108,18 +108,18 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
     # group), 1/P in the other modes, whose activations are always split.
-    activation = BF16 * b * model.seq * model.hidden
+    activation = c.element * b * model.seq * model.hidden
     regather = np.where((c.tp_mode == "1d") & (layout.region_split == 1),
                         comm.all_gather(activation, t, strides["tp"]), 0.0)
     hop = comm.send(activation / t, p, strides["pp"]) + regather
     middle.pp_comm = np.where(p > 1, 2 * c.vpp * hop, 0.0)
 
-    emb = embedding_work(model, dev, b, layout.region_split)
-    emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b)
+    emb = embedding_work(model, dev, b, layout.region_split, c.element)
+    emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b, c.element)
     vocab = model.padded_vocab(t)
     head = work(dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
-                head_memory_ops(model, b, layout.split, layout.region_split, vocab))
-    head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab)
+                head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element))
+    head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
     layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
     middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
     middle, first, last = (_with_loop(s, system.framework.microbatch_overhead_s) for s in (middle, first, last))

@@ -126,12 +126,13 @@ def linear_gemm(layout: Layout, name: str, tokens, h_in, h_out, column_parallel:
     return Gemm(name, q, tokens / (d * q), h_out / q, h_in / q)
 
 
-def linear_collectives(layout: Layout, index: int, tokens, h_in, h_out) -> tuple[list, list]:
-    """(forward, backward) collectives of the `index`-th linear of a layer (2d, 2.5d, 3d)."""
+def linear_collectives(layout: Layout, index: int, tokens, h_in, h_out, element=BF16) -> tuple[list, list]:
+    """(forward, backward) collectives of the `index`-th linear of a layer (2d, 2.5d, 3d), in
+    `element`-byte activations and weights."""
     q, d = layout.q, layout.depth
     if layout.mode == "3d":
         into, out = ("input", "output") if index % 2 == 0 else ("output", "input")
-        x, w, y = BF16 * tokens * h_in / q**2, BF16 * h_in * h_out / q**2, BF16 * tokens * h_out / q**2
+        x, w, y = element * tokens * h_in / q**2, element * h_in * h_out / q**2, element * tokens * h_out / q**2
         forward = [Collective(ALL_GATHER, x, 1, into), Collective(ALL_GATHER, w, 1, "weight"),
                    Collective(REDUCE_SCATTER, y, 1, out)]
         regather = np.where(layout.regather, 1, 0)
@@ -139,7 +140,7 @@ def linear_collectives(layout: Layout, index: int, tokens, h_in, h_out) -> tuple
                     Collective(REDUCE_SCATTER, w, 1, "weight"),
                     Collective(ALL_GATHER, x, regather, into), Collective(ALL_GATHER, w, regather, "weight")]
         return forward, backward
-    x, w = BF16 * tokens / d * h_in / q**2, BF16 * h_in * h_out / q**2
+    x, w = element * tokens / d * h_in / q**2, element * h_in * h_out / q**2
     forward = [Collective(BROADCAST, x, q, "row"), Collective(BROADCAST, w, q, "col")]
     backward = [Collective(BROADCAST, w, q, "col"), Collective(REDUCE, x, q, "row"),
                 Collective(BROADCAST, x, q, "row"), Collective(REDUCE, w, q, "col")]
@@ -173,15 +174,16 @@ def layer_gemms(layout: Layout, model: ModelSpec, b, cp=1) -> list[Gemm]:
     return gemms
 
 
-def layer_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, list]:
-    """(forward, backward) collectives of one layer; full recomputation repeats the forward."""
+def layer_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tuple[list, list]:
+    """(forward, backward) collectives of one layer, `element` bytes an activation and weight
+    element (4 when training in fp32); full recomputation repeats the forward."""
     tokens = b * model.seq
     if layout.mode == "1d":
-        activation = BF16 * tokens * model.hidden
+        activation = element * tokens * model.hidden
         return _boundary(activation, layout.region_split > 1, 2), _boundary(activation, layout.region_split > 1, 2)
     forward, backward = [], []
     for index, (_, h_in, h_out, _) in enumerate(layer_linears(model)):
-        fwd, bwd = linear_collectives(layout, index, tokens, h_in, h_out)
+        fwd, bwd = linear_collectives(layout, index, tokens, h_in, h_out, element)
         forward += fwd
         backward += bwd
     stats = norm_statistics(layout, tokens, 2)  # two norms a layer
@@ -203,7 +205,7 @@ def _boundary(activation_bytes, sp, count):
             Collective(REDUCE_SCATTER, activation_bytes, np.where(sp, count, 0))]
 
 
-def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, list]:
+def embedding_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tuple[list, list]:
     """Vocabulary-parallel embedding: the partial lookups of the vocabulary shards are summed.
 
     1d: all-reduce of [b, s, h] (reduce-scatter into the SP region, all-gather back in backward).
@@ -214,15 +216,16 @@ def embedding_collectives(layout: Layout, model: ModelSpec, b) -> tuple[list, li
     3d: the [V/q^2, h/q] shard is all-gathered over `weight` to [V/q, h/q], looked up for the T/q
     tokens of the device's super-block and reduce-scattered over `input`; backward all-gathers the
     gradient over `input` and reduce-scatters the weight gradient over `weight`.
-    Weight gradients are bf16 here, as the linears' weight-gradient collectives (docs/equations.md 4.7)."""
-    activation = BF16 * b * model.seq * model.hidden
+    Weight gradients are in the activations' `element` bytes here, as the linears' weight-gradient
+    collectives (docs/equations.md 4.7)."""
+    activation = element * b * model.seq * model.hidden
     if layout.mode == "1d":
         sp = layout.region_split > 1
         return ([Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
                  Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))],
                 [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))])
     q, d = layout.q, layout.depth
-    weight = BF16 * model.padded_vocab(layout.size) / q * model.hidden / q  # [V/q, h/q]
+    weight = element * model.padded_vocab(layout.size) / q * model.hidden / q  # [V/q, h/q]
     if layout.mode == "3d":
         lookups = activation / q**2  # [T/q, h/q]
         return ([Collective(ALL_GATHER, weight, 1, "weight"), Collective(REDUCE_SCATTER, lookups, 1, "input")],
@@ -238,19 +241,19 @@ def head_gemm(layout: Layout, model: ModelSpec, b, vocab) -> Gemm:
     return linear_gemm(layout, "logits", b * model.seq, model.hidden, vocab, True)
 
 
-def head_collectives(layout: Layout, model: ModelSpec, b, vocab) -> tuple[list, list]:
+def head_collectives(layout: Layout, model: ModelSpec, b, vocab, element=BF16) -> tuple[list, list]:
     """Logits (a vocabulary-parallel linear) and the vocabulary-parallel cross-entropy, which
     all-reduces the max, the target logit and the sum of exponentials ([tokens] in fp32); in
     2d/2.5d/3d also the final LayerNorm's statistics (1d: its rows are whole, no collective)."""
     tokens = b * model.seq
     if layout.mode == "1d":
-        activation = BF16 * tokens * model.hidden
+        activation = element * tokens * model.hidden
         sp = layout.region_split > 1
         forward = [Collective(ALL_GATHER, activation, np.where(sp, 1, 0)), Collective(ALL_REDUCE, FP32 * tokens, 3)]
         backward = [Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)),
                     Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
         return forward, backward
-    forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab)
+    forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab, element)
     final_norm = norm_statistics(layout, tokens, 1)  # the final LayerNorm before the logits
     forward, backward = [final_norm] + forward, [final_norm] + backward
     # the axis that splits the logits' vocabulary: the output block of a first linear lies along

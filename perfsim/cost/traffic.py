@@ -9,7 +9,7 @@ it with these numbers (docs/equations.md, section 10).
 from __future__ import annotations
 
 from perfsim.cost import tensor_parallel as tpc
-from perfsim.cost.columns import columns_of
+from perfsim.cost.columns import ELEMENT_BYTES, columns_of
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.data_parallel import zero3_gathers
 from perfsim.cost.layer import BF16
@@ -19,40 +19,41 @@ from perfsim.spec.plan import Plan
 from perfsim.spec.system import System
 
 
-def tp_collectives(model: ModelSpec, plan: Plan) -> tuple:
+def tp_collectives(model: ModelSpec, plan: Plan, element=BF16) -> tuple:
     """(layout, one layer's collectives, the embedding's and head's) of one micro-batch, forward
-    and backward, the layer's forward once more under full recomputation."""
+    and backward, the layer's forward once more under full recomputation; `element`-byte tensors."""
     layout = tpc.layout_of(model, columns_of(plan))
     b, vocab = plan.mbs / plan.cp, model.padded_vocab(plan.tp)  # a context-parallel rank's mbs/cp sequences' worth
-    fwd, bwd = tpc.layer_collectives(layout, model, b)
+    fwd, bwd = tpc.layer_collectives(layout, model, b, element)
     layer = fwd + bwd + (fwd if plan.recompute == "full" else [])
-    edges = [x for pair in (tpc.embedding_collectives(layout, model, b), tpc.head_collectives(layout, model, b, vocab))
+    edges = [x for pair in (tpc.embedding_collectives(layout, model, b, element),
+                            tpc.head_collectives(layout, model, b, vocab, element))
              for x in pair[0] + pair[1]]
     return layout, layer, edges
 
 
-def _tp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+def _tp_per_microbatch(model: ModelSpec, plan: Plan, element=BF16) -> float:
     """Bytes the tensor-parallel groups of one micro-batch send through every layer, the embedding
     and the head (all members together; cp groups with context parallelism)."""
-    layout, layer, edges = tp_collectives(model, plan)
+    layout, layer, edges = tp_collectives(model, plan, element)
     member = model.layers * tpc.collectives_sent_bytes(layout, layer) + tpc.collectives_sent_bytes(layout, edges)
     return plan.tp * plan.cp * float(member)
 
 
-def _pp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+def _pp_per_microbatch(model: ModelSpec, plan: Plan, element=BF16) -> float:
     """Activations forward and their gradients backward across the p v - 1 chunk boundaries of
     one micro-batch, each tensor-parallel member sending its 1/t share; in 1d without SP the
     receiving group all-gathers the shares again (stage.py)."""
     if plan.pp == 1:
         return 0.0
-    activation = BF16 * plan.mbs * model.seq * model.hidden
+    activation = element * plan.mbs * model.seq * model.hidden
     hops = plan.pp * plan.vpp - 1
     regather = plan.tp * tpc.sent_bytes(tpc.ALL_GATHER, activation, plan.tp) \
         if plan.tp_mode == "1d" and not plan.sp else 0.0
     return 2 * hops * (activation + regather)
 
 
-def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
+def dp_sent_by_kind(system: System, plan: Plan, params: float, element=BF16) -> dict:
     """Bytes one device sends per step for data parallelism over `params` parameters, by
     collective kind (data_parallel.py: ZeRO-0 all-reduce; ZeRO-1 reduce-scatter + weight
     all-gather; ZeRO-2 a reduce-scatter per micro-batch + the all-gather; ZeRO-3 per micro-batch
@@ -62,7 +63,7 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
         return {}
     grads = system.framework.grad_bytes_per_param * params
     rs = tpc.sent_bytes(tpc.REDUCE_SCATTER, grads, d)
-    ag = tpc.sent_bytes(tpc.ALL_GATHER, BF16 * params, d)
+    ag = tpc.sent_bytes(tpc.ALL_GATHER, element * params, d)
     m = plan.microbatches
     if plan.zero == 0:
         return {tpc.ALL_REDUCE: tpc.sent_bytes(tpc.ALL_REDUCE, grads, d)}
@@ -73,26 +74,27 @@ def dp_sent_by_kind(system: System, plan: Plan, params: float) -> dict:
     return {tpc.REDUCE_SCATTER: m * rs, tpc.ALL_GATHER: float(zero3_gathers(system, columns_of(plan))) * m * ag}
 
 
-def _cp_per_microbatch(model: ModelSpec, plan: Plan) -> float:
+def _cp_per_microbatch(model: ModelSpec, plan: Plan, element=BF16) -> float:
     """Key/value blocks ring attention passes for one micro-batch (context_parallel.py): every
     rank of every layer sends cp - 1 blocks forward, and cp - 1 blocks with their gradients
     backward; recomputation (full or selective) runs the forward ring again."""
     if plan.cp == 1:
         return 0.0
     passes = 3 + (plan.recompute != "none")
-    return model.layers * plan.tp * plan.cp * (plan.cp - 1) * passes * kv_block_bytes(model, plan.mbs, plan.cp, plan.tp)
+    return model.layers * plan.tp * plan.cp * (plan.cp - 1) * passes * kv_block_bytes(model, plan.mbs, plan.cp, plan.tp, element)
 
 
-def step_sent_bytes(model: ModelSpec, system: System, plan: Plan) -> dict:
-    """{"tp", "cp", "pp", "dp", "total"}: bytes the whole job sends in one step."""
-    m = plan.microbatches
-    tp = plan.dp * m * _tp_per_microbatch(model, plan)  # every layer once per pipeline
-    pp = plan.dp * m * _pp_per_microbatch(model, plan)  # linear in the tokens: cp ranks send 1/cp each
-    cp = plan.dp * m * _cp_per_microbatch(model, plan)
+def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "bf16") -> dict:
+    """{"tp", "cp", "pp", "dp", "total"}: bytes the whole job sends in one step, training in `dtype`
+    (fp32 sends 4-byte activations and weights where bf16 sends 2)."""
+    m, e = plan.microbatches, ELEMENT_BYTES.get(dtype, BF16)
+    tp = plan.dp * m * _tp_per_microbatch(model, plan, e)  # every layer once per pipeline
+    pp = plan.dp * m * _pp_per_microbatch(model, plan, e)  # linear in the tokens: cp ranks send 1/cp each
+    cp = plan.dp * m * _cp_per_microbatch(model, plan, e)
     c = columns_of(plan)
     per_stage = [float(stage_params(model, c, s)) for s in ("first", "middle", "last")]
     stages = per_stage[:1] if plan.pp == 1 else [per_stage[0]] + [per_stage[1]] * (plan.pp - 2) + [per_stage[2]]
-    dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p).values()) for p in stages)
+    dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p, e).values()) for p in stages)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
         pp += plan.tp * plan.cp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
