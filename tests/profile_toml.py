@@ -36,24 +36,20 @@ def _scalar(v) -> str:
 
 
 def dumps(data: dict) -> str:
-    lines = []
-    tables = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        else:
-            lines.append(f"{key} = {_scalar(value)}")
-    for section, body in tables:
-        lines.append(f"\n[{section}]")
-        subtables = []
+    """TOML text of `data`: plain keys first, then each table under its dotted name, to any depth
+    (a number's `causes` sit three tables down)."""
+    lines = [f"{key} = {_scalar(value)}" for key, value in data.items() if not isinstance(value, dict)]
+
+    def table(name: str, body: dict) -> None:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {_scalar(v)}" for k, v in body.items() if not isinstance(v, dict))
         for key, value in body.items():
             if isinstance(value, dict):
-                subtables.append((key, value))
-            else:
-                lines.append(f"{key} = {_scalar(value)}")
-        for key, value in subtables:
-            lines.append(f"\n[{section}.{key}]")
-            lines.extend(f"{k} = {_scalar(v)}" for k, v in value.items())
+                table(f"{name}.{key}", value)
+
+    for key, value in data.items():
+        if isinstance(value, dict):
+            table(key, value)
     return "\n".join(lines) + "\n"
 
 
