@@ -1,0 +1,138 @@
+"""Does one calibration transfer? For each of several "machines" made from this box by the
+environment (instruction sets, threads), from scratch: `perfsim calibrate`, then `perfsim validate`
+against that profile on a model the calibration never saw (issue 15's acceptance loop).
+
+    python benchmarks/transfer.py [--settings avx2,generic,...] [--quick] [--out DIR] [--nproc 2]
+
+Each setting gets DIR/<setting>/ with its calibration ledger (and its -overheads ledger), the
+calibrated profile and the validation ledger; all are appended to and resumed, so a run that is
+stopped goes on where it stopped. The table printed (and written to DIR/transfer.md) has one row
+per setting: calibrate and validate wall time, held-out kernel MAPE by kind, and the validation's
+step-time MAPE and max, peak-memory mean and max, over the plans. --quick runs the smoke-test
+sizes (calibrate --quick, two plans, one timed step): seconds to minutes, for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# The machines. Each changes kernel speeds on the same CPU by the issue's margin (docs/calibration.md,
+# "Transfer"): ATEN_CPU_CAPABILITY=default takes the vectorised element-wise kernels away (GeLU,
+# softmax, LayerNorm 2-14x slower on the project's AVX2 VM); one rank with two threads halves a
+# GEMM's time and leaves no collective to wait for.
+SETTINGS = {
+    "avx2": {"env": {}, "nproc": 2, "threads": 1},
+    "generic": {"env": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, "nproc": 2, "threads": 1},
+    "threads2": {"env": {}, "nproc": 1, "threads": 2},
+}
+VALIDATION_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
+QUICK_PLANS = {2: "dp=2,mbs=2,gbs=4;tp=2,mbs=2,gbs=4", 1: "mbs=2,gbs=4;mbs=2,gbs=4,recompute=full"}
+
+
+def perfsim(args: list, env: dict, log) -> tuple:
+    """(exit code, stdout, seconds) of one perfsim command, its stderr streamed to `log`."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "perfsim.cli", *args], env={**os.environ, **env},
+                          stdout=subprocess.PIPE, stderr=log, text=True)
+    return proc.returncode, proc.stdout, time.perf_counter() - start
+
+
+def held_out(report: str) -> dict:
+    """Held-out MAPE per kernel kind from calibrate's report rows (the tables' rows where kept)."""
+    out = {}
+    for line in report.splitlines():
+        text = line.strip()
+        for kind, prefix in (("gemm", "table gemm"), ("gemm", "gemm fp32"), ("elementwise", "table "),
+                             ("overheads", "framework overheads")):
+            if text.startswith(prefix) and "held-out" in text:
+                value = text.split("held-out")[1].split("%")[0].strip()
+                if value and value != "-":
+                    out.setdefault(kind, []).append(float(value))
+                break
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+def run_setting(name: str, setting: dict, out: str, quick: bool, log) -> dict:
+    where = os.path.join(out, name)
+    os.makedirs(where, exist_ok=True)
+    env = {**setting["env"], "OMP_NUM_THREADS": str(setting["threads"])}
+    nproc, threads = setting["nproc"], setting["threads"]
+    profile = os.path.join(where, f"cpu-{name}.toml")
+    calibrate = ["calibrate", "--device", "cpu", "--nproc", str(nproc), "--threads", str(threads), "--dtypes", "fp32",
+                 "--system", "cpu-example", "--ledger", os.path.join(where, "calibration.jsonl"), "--out", profile,
+                 "--name", f"cpu-{name}"] + (["--quick"] if quick else [])
+    code, report, cal_s = perfsim(calibrate, env, log)
+    if code:
+        return {"setting": name, "error": f"calibrate exited {code}"}
+    validate = ["validate", "--device", "cpu", "--nproc", str(nproc), "--threads", str(threads), "--dtype", "fp32",
+                "--system", profile, "--model", VALIDATION_MODEL, "--ledger", os.path.join(where, "validation.jsonl"),
+                "--json"] + (["--plans", QUICK_PLANS[nproc], "--steps", "1"] if quick else [])
+    code, text, val_s = perfsim(validate, env, log)
+    if code:
+        return {"setting": name, "error": f"validate exited {code}"}
+    results = json.loads(text)
+    step = [r["step_time_s"]["predicted"] / r["step_time_s"]["measured"] - 1 for r in results]
+    memory = [r["peak_memory_bytes"]["predicted"] / r["peak_memory_bytes"]["measured"] - 1 for r in results]
+    return {"setting": name, "env": env, "nproc": nproc, "plans": len(results), "calibrate_s": cal_s,
+            "validate_s": val_s, "held_out": held_out(report),
+            "step_mape": sum(map(abs, step)) / len(step), "step_max": max(map(abs, step)),
+            "step_mean_signed": sum(step) / len(step),
+            "memory_mean": sum(map(abs, memory)) / len(memory), "memory_max": max(map(abs, memory)),
+            "at_speed": sum(r["machine_speed"]["steps_at_speed"] for r in results),
+            "steps": sum(r["machine_speed"]["steps"] for r in results)}
+
+
+def table(rows: list) -> str:
+    head = ("| setting | environment | ranks x threads | calibrate + validate | held-out GEMM | held-out element-wise | "
+            "overheads held-out | plans | step MAPE | step max | step signed | memory mean | memory max |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['setting']} | {r['error']} |")
+            continue
+        env = " ".join(f"{k}={v}" for k, v in r["env"].items() if k != "OMP_NUM_THREADS") or "(none)"
+        h = r["held_out"]
+        lines.append(f"| {r['setting']} | {env} | {r['nproc']} x {r['env']['OMP_NUM_THREADS']} | "
+                     f"{(r['calibrate_s'] + r['validate_s']) / 60:.1f} min | "
+                     f"{h.get('gemm', 0):.1f}% | {h.get('elementwise', 0):.1f}% | "
+                     f"{pct(h['overheads'] / 100) if 'overheads' in h else '-'} | {r['plans']} | "
+                     f"{pct(r['step_mape'])} | {pct(r['step_max'])} | {pct(r['step_mean_signed'])} | "
+                     f"{pct(r['memory_mean'])} | {pct(r['memory_max'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--quick", action="store_true", help="smoke-test sizes")
+    parser.add_argument("--out", default="transfer-runs", help="folder of the ledgers, profiles and table")
+    args = parser.parse_args(argv)
+    names = [s for s in args.settings.split(",") if s]
+    unknown = [s for s in names if s not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}; one of {', '.join(SETTINGS)}")
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    with open(os.path.join(args.out, "transfer.log"), "a") as log:
+        for name in names:
+            print(f"[{len(rows) + 1}/{len(names)}] {name} ...", file=sys.stderr, flush=True)
+            rows.append(run_setting(name, SETTINGS[name], args.out, args.quick, log))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    text = table(rows)
+    print(text)
+    with open(os.path.join(args.out, "transfer.md"), "w") as fh:
+        fh.write(text + "\n")
+    with open(os.path.join(args.out, "transfer.json"), "w") as fh:
+        json.dump(rows, fh, indent=2)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
