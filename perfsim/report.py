@@ -42,6 +42,9 @@ def format_prediction(p: Prediction) -> str:
     for key, seconds in p.time_breakdown_s.items():
         share = seconds / p.step_time_s if p.step_time_s else 0.0
         lines.append(f"  {key:<12} {_time(seconds)}  {share:6.1%}")
+    if p.system.device.measured:  # a calibrated profile: how much of the compute its measurements cover
+        lines.append(f"  compute from measured kernels: {1 - p.compute_extrapolated_share:.0%}, from the fitted curves "
+                     f"far from any: {p.compute_extrapolated_share:.0%}")
     lines += ["", f"peak memory per device ({p.memory_peak_stage} pipeline stage)"]
     for key, n in p.memory_bytes.items():
         lines.append(f"  {key:<12} {_bytes(n)}")

@@ -130,6 +130,10 @@ def test_the_calibrated_profile_carries_its_tables_and_predictions_use_them(tmp_
     assert without.compute_extrapolated_share == pytest.approx(1.0)
     assert 0.0 <= with_tables.compute_extrapolated_share < 1.0
     assert with_tables.as_json()["compute_extrapolated_share"] == with_tables.compute_extrapolated_share
+    from perfsim.report import format_prediction
+    measured_line = f"compute from measured kernels: {1 - with_tables.compute_extrapolated_share:.0%}"
+    assert measured_line in format_prediction(with_tables)
+    assert "compute from measured kernels" not in format_prediction(without)
     # recalibrating from a profile with tables starts from its curves alone
     again = cal.fit(_amx_records(truth), system, "synthetic.jsonl")
     assert [t.points for t in again.tables] == [t.points for t in calibration.tables]
