@@ -327,6 +327,44 @@ def _score(rank: str, r: dict, capacity: float):
     return r["tokens_per_s"]  # for a fixed device count, time-to-train and device-hours rank the same
 
 
+# Training precisions `--dtype any` explores: bf16 everywhere, fp8 where the profile has an FP8 peak.
+ANY_PRECISION = ("bf16", "fp8")
+
+
+def precisions(system: System, dtypes) -> tuple:
+    """The dtypes a search runs: `dtypes` as given, "any" standing for ANY_PRECISION less fp8 on a
+    device without an FP8 peak."""
+    chosen = []
+    for d in dtypes:
+        for x in (ANY_PRECISION if d == "any" else (d,)):
+            if x not in chosen and not (d == "any" and x == "fp8" and system.device.peak_flops_fp8 is None):
+                chosen.append(x)
+    return tuple(chosen)
+
+
+def search_precisions(model: ModelSpec, system: System, devices: int, gbs: int, dtypes, fixes: dict | None = None,
+                      top: int = 10, rank: str = "throughput", progress=None) -> SearchResult:
+    """`search` in each training dtype (precisions), the plans of all ranked together and one
+    Pareto front over them; a plan's prediction says its dtype. One dtype: `search` itself."""
+    runs = [search(model, system, devices, gbs, fixes, top, rank, d, progress) for d in precisions(system, dtypes)]
+    if len(runs) == 1:
+        return runs[0]
+    capacity = system.device.memory_bytes
+    score = (lambda p: capacity - p.memory_bytes["total"]) if rank == "memory-headroom" else (lambda p: p.tokens_per_s)
+    everything = [p for r in runs for p in r.plans]
+    front = [p for r in runs for p in r.pareto]
+    front = [p for p in front if not any(q.tokens_per_s > p.tokens_per_s and q.memory_bytes["total"] < p.memory_bytes["total"]
+                                         for q in front)]
+    rejected: dict = {}
+    for r in runs:
+        for reason, n in r.rejected.items():
+            rejected[reason] = rejected.get(reason, 0) + n
+    return SearchResult(evaluated=sum(r.evaluated for r in runs), feasible=sum(r.feasible for r in runs),
+                        rejected=rejected, plans=sorted(everything, key=score, reverse=True)[:top],
+                        pareto=sorted(front, key=lambda p: p.tokens_per_s, reverse=True),
+                        seconds=sum(r.seconds for r in runs), candidates=sum(r.candidates for r in runs))
+
+
 def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None, top: int = 10,
            rank: str = "throughput", dtype: str = "bf16", progress=None) -> SearchResult:
     fixes = fixes or {}

@@ -26,8 +26,9 @@ def register(sub) -> None:
                    help="order of the results; for a fixed device count the first three agree (default throughput)")
     p.add_argument("--tokens", type=finite_number(0, 1e18), default=300e9,
                    help="training tokens for the time-to-train and device-hours columns, up to 1e18 (default 300e9)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
-                   help="training precision (default bf16; fp8 on a profile with an FP8 peak)")
+    p.add_argument("--dtype", default=("bf16",), type=_dtypes,
+                   help="training precision, or several comma-separated to rank their plans together (default bf16; "
+                        "fp8 on a profile with an FP8 peak; any: bf16, and fp8 where the profile has an FP8 peak)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
     out.add_argument("--csv", action="store_true", help="the top plans as CSV")
@@ -39,8 +40,19 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _dtypes(text: str) -> tuple:
+    import argparse
+
+    allowed = ("bf16", "fp16", "fp32", "fp8", "any")
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in allowed]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(allowed)}, comma-separated; got {text!r}")
+    return items
+
+
 def run(args) -> None:
-    from perfsim.search import parse_fixes, search, stderr_progress
+    from perfsim.search import parse_fixes, precisions, search_precisions, stderr_progress
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import device_count_problem
     from perfsim.spec.system import load_system
@@ -56,9 +68,13 @@ def run(args) -> None:
         raise PerfsimError("--robust ranks by step time over the draws; leave out --rank")
     from perfsim.uncertainty.robust import CANDIDATES
 
-    result = search(model, system, devices, args.gbs, parse_fixes(args.fix),
-                    top=max(args.top, CANDIDATES) if args.robust else args.top, rank=args.rank,
-                    dtype=args.dtype, progress=None if args.quiet else stderr_progress)
+    dtypes = precisions(system, args.dtype)
+    if args.robust and len(dtypes) > 1:
+        raise PerfsimError("--robust ranks plans of one training precision; give one --dtype")
+    args.dtype = dtypes[0] if len(dtypes) == 1 else ",".join(dtypes)
+    result = search_precisions(model, system, devices, args.gbs, dtypes, parse_fixes(args.fix),
+                               top=max(args.top, CANDIDATES) if args.robust else args.top, rank=args.rank,
+                               progress=None if args.quiet else stderr_progress)
     if args.robust:
         from perfsim.uncertainty.robust import print_robust
 
@@ -79,7 +95,8 @@ def _summary(p) -> str:
     mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
         + (" regather" if plan.tp_regather else "")
     sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "") + (f" ({split_words(plan)})" if split_words(plan) else "")
-    stack = stack_words(plan)
+    stack = stack_words(plan) + (f", {p.dtype}" if p.dtype != "bf16" else "")
+    stack = stack.lstrip(", ")
     return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
             f"recompute {plan.recompute}, {plan.order}" + (f", {stack}" if stack else ""))
 
