@@ -109,8 +109,14 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)
 
 
+STAGES = ("first", "middle", "last")
+
+
 def stage_layer_count(model, c: Columns, stage: str):
     """Layers on a device of the "first", a "middle" or the "last" pipeline stage: model.layers / pp,
-    or the plan's uneven split (spec.plan.stage_layers; with pp = 1 the one stage holds them all)."""
-    first, middle, last = stage_layers(model.layers, c.pp, c.first_layers, c.last_layers)
-    return {"first": first, "middle": middle, "last": last}[stage]
+    or the plan's uneven split (spec.plan.stage_layers; with pp = 1 the one stage holds them all).
+    Worked out once per batch of columns and layer count: a search asks for them dozens of times."""
+    counts = c.__dict__.setdefault("_stage_layers", {})  # Columns are not changed after they are made
+    if model.layers not in counts:
+        counts[model.layers] = stage_layers(model.layers, c.pp, c.first_layers, c.last_layers)
+    return counts[model.layers][STAGES.index(stage)]

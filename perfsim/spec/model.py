@@ -7,6 +7,8 @@ import os
 from perfsim.spec._toml import read_toml
 from dataclasses import dataclass
 
+import numpy as np
+
 from perfsim.errors import PerfsimError, did_you_mean
 from perfsim.spec.presets import PRESETS
 
@@ -61,6 +63,8 @@ class ModelSpec:
     def padded_vocab(self, tp: int = 1) -> int:
         """Megatron pads the vocabulary to a multiple of vocab_divisor x tensor-parallel size."""
         multiple = self.vocab_divisor * tp
+        if isinstance(multiple, np.ndarray):  # a search's batch: ceil of a float quotient, exact at these sizes
+            return np.ceil(self.vocab / multiple) * multiple  # and far quicker than a float floor division
         return -(-self.vocab // multiple) * multiple
 
     def as_dict(self) -> dict:

@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import qmc
 
 from perfsim.predict import evaluate
 from perfsim.uncertainty.ranges import profile_ranges
@@ -51,6 +50,8 @@ def _unit(dimensions: int, n: int, seed: int) -> np.ndarray:
     if dimensions == 0:
         return np.zeros((n, 0))
     m = max(int(np.ceil(np.log2(max(n, 2)))), 1)
+    from scipy.stats import qmc  # lazy: scipy.stats takes about a second to import, every predict would pay it
+
     return qmc.Sobol(dimensions, scramble=True, seed=seed).random_base2(m)[:n]
 
 
