@@ -44,17 +44,32 @@ def perfsim(args: list, env: dict, log) -> tuple:
 
 
 def held_out(report: str) -> dict:
-    """Held-out MAPE per kernel kind from calibrate's report rows (the tables' rows where kept)."""
-    out = {}
+    """Held-out MAPE by kind from calibrate's report rows (or a profile's header): GEMMs from their
+    table where one was kept (else the curve's row), element-wise kernels and collectives from
+    their tables, and the framework overheads."""
+    from perfsim.spec.system import OPERATIONS
+
+    out: dict = {}
     for line in report.splitlines():
-        text = line.strip()
-        for kind, prefix in (("gemm", "table gemm"), ("gemm", "gemm fp32"), ("elementwise", "table "),
-                             ("overheads", "framework overheads")):
-            if text.startswith(prefix) and "held-out" in text:
-                value = text.split("held-out")[1].split("%")[0].strip()
-                if value and value != "-":
-                    out.setdefault(kind, []).append(float(value))
-                break
+        text = line.lstrip("# ").strip()
+        if "held-out" not in text:
+            continue
+        value = text.split("held-out")[1].split("%")[0].strip()
+        if not value or value == "-":
+            continue
+        words = text.split()
+        if text.startswith("table "):
+            kind = "gemm" if words[1] == "gemm" else "collectives" if words[1] in OPERATIONS else "elementwise"
+        elif text.startswith("gemm fp32"):
+            kind = "gemm curve"
+        elif text.startswith("framework overheads"):
+            kind = "overheads"
+        else:
+            continue
+        out.setdefault(kind, []).append(float(value))
+    if "gemm" not in out and "gemm curve" in out:
+        out["gemm"] = out["gemm curve"]
+    out.pop("gemm curve", None)
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
@@ -90,7 +105,7 @@ def run_setting(name: str, setting: dict, out: str, quick: bool, log) -> dict:
 
 def table(rows: list) -> str:
     head = ("| setting | environment | ranks x threads | calibrate + validate | held-out GEMM | held-out element-wise | "
-            "overheads held-out | plans | step MAPE | step max | step signed | memory mean | memory max |")
+            "held-out collectives | overheads held-out | plans | step MAPE | step max | step signed | memory mean | memory max |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     for r in rows:
@@ -102,6 +117,7 @@ def table(rows: list) -> str:
         lines.append(f"| {r['setting']} | {env} | {r['nproc']} x {r['env']['OMP_NUM_THREADS']} | "
                      f"{(r['calibrate_s'] + r['validate_s']) / 60:.1f} min | "
                      f"{h.get('gemm', 0):.1f}% | {h.get('elementwise', 0):.1f}% | "
+                     f"{pct(h['collectives'] / 100) if 'collectives' in h else '-'} | "
                      f"{pct(h['overheads'] / 100) if 'overheads' in h else '-'} | {r['plans']} | "
                      f"{pct(r['step_mape'])} | {pct(r['step_max'])} | {pct(r['step_mean_signed'])} | "
                      f"{pct(r['memory_mean'])} | {pct(r['memory_max'])} |")

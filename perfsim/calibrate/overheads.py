@@ -78,7 +78,9 @@ def overheads_ledger(ledger: str) -> str:
 
 def as_trained(system, dtype: str):
     """The profile as the harness trains in `dtype`: gradients in the parameters' dtype (validate.optim)."""
-    element = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    from perfsim.cost.columns import ELEMENT_BYTES
+
+    element = ELEMENT_BYTES[dtype]
     return dataclasses.replace(system, framework=dataclasses.replace(system.framework, grad_bytes_per_param=element))
 
 
