@@ -125,6 +125,20 @@ def test_the_posterior_cache_follows_its_inputs(tmp_path):
     assert len(os.listdir(tmp_path / "cache")) == 2 and not np.array_equal(first.weights, changed.weights)
 
 
+def test_the_posterior_cache_follows_a_model_file_an_observation_names(tmp_path):
+    """The observations file names a model file; changing only that file must not reuse the
+    posterior conditioned on the old model."""
+    model_file = tmp_path / "observed-model.toml"
+    model_file.write_text("layers = 48\nhidden = 8192\nheads = 64\nseq = 2048\nvocab = 51200\n")
+    observation = _observation(value=_point_rate()).replace('model = "sc21-39.1b"', f'model = "{model_file}"')
+    path = _profile(tmp_path, observation)
+    first = profile_draws(load_system(path), 32)[1]
+    model_file.write_text("layers = 24\nhidden = 8192\nheads = 64\nseq = 2048\nvocab = 51200\n")
+    changed = profile_draws(load_system(path), 32)[1]
+    assert len(os.listdir(tmp_path / "cache")) == 2
+    assert not np.array_equal(first.predicted["row"], changed.predicted["row"])
+
+
 def test_smng_p2_conditions_on_the_papers_three_observations(run_cli):
     result = run_cli("predict", "--json", "--uncertainty", "--samples", "16")
     assert result.code == 0, result.err

@@ -114,16 +114,19 @@ def profile_draws(system, samples: int = DEFAULT_SAMPLES, seed: int = 0):
     observations = load_observations(system.observations, system)
     prior = draw(system, samples * PRIOR_FACTOR, seed,
                  comm_points=min(samples, DEFAULT_COMM_POINTS) * PRIOR_FACTOR)
-    posterior = condition_cached(prior, observations, (system.path, system.observations, samples, seed))
+    # the loaded observations go into the key with their models' fields: a model file an
+    # observation names may change while the profile and observations files stay the same
+    posterior = condition_cached(prior, observations, (system.path, system.observations, samples, seed, observations))
     return posterior.resampled(samples, seed), posterior
 
 
 def condition_cached(prior: Draws, observations, inputs: tuple) -> Posterior:
     """condition(), remembered on disk: the posterior depends only on the profile and observations
-    files, perfsim's own code and the draw count and seed, and conditioning prices every
+    files, the observations as loaded (their models' fields), perfsim's own code and the draw count and seed, and conditioning prices every
     observation's plans under thousands of draws (seconds), while a prediction needs only the
     kept draws. The cache lives in $PERFSIM_CACHE_DIR (default ~/.cache/perfsim); a cache that
-    cannot be read or written is recomputed, never an error."""
+    cannot be read or written is recomputed, never an error. `inputs`: (profile path, observations
+    path, then anything else the posterior depends on, in the key by its repr)."""
     path = _cache_file(inputs)
     try:
         with np.load(path) as stored:
