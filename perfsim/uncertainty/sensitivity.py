@@ -37,12 +37,18 @@ def first_order_shares(x: np.ndarray, y: np.ndarray, bins: int = BINS) -> float:
     return float(max(0.0, 1 - (within / (n - bins)) / (total / (n - 1))))
 
 
+def drawn_inputs(draws) -> dict:
+    """{number: its value per draw}: each uncertain number, a number made of named causes by its
+    causes ("<key>.causes.<name>") instead of by itself."""
+    ranges = draws.system.ranges
+    return {key: draws.values[:, j] for j, key in enumerate(draws.keys)
+            if not ranges.get(key) or not ranges[key].causes} | draws.factors
+
+
 def sensitivity(model, system, plan, samples: int = DEFAULT_SAMPLES, dtype: str = "bf16", seed: int = 0) -> list:
     """[(number, first-order share of the step time's variance, P10 and P90 of the number)], largest
     share first, over `samples` prior draws."""
     draws = draw(system, samples, seed, comm_points=samples)  # every draw its own link numbers
     step = evaluate_draws(model, draws, columns_of(plan), dtype)["step_time_s"]
-    inputs = {key: draws.values[:, j] for j, key in enumerate(draws.keys)
-              if not system.ranges.get(key) or not system.ranges[key].causes} | draws.factors
-    rows = [(key, first_order_shares(x, step), *np.percentile(x, (10, 90))) for key, x in inputs.items()]
+    rows = [(key, first_order_shares(x, step), *np.percentile(x, (10, 90))) for key, x in drawn_inputs(draws).items()]
     return sorted(rows, key=lambda r: -r[1])
