@@ -84,6 +84,73 @@ def test_script_carries_the_smng_p2_settings(emitted):
     assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml" in text
 
 
+def _launched_suites(text: str) -> list:
+    return [line.split("--suites ")[1].split()[0] for line in text.splitlines()
+            if line.startswith("mpiexec") and "calibrate --worker" in line]
+
+
+def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
+    """Issue 16 item 5: the job measures first what settles most of the doubt about the plan and
+    the step time (perfsim/calibrate/priority.py), each suite with its shares in a comment; the
+    overheads suite (issue 15) comes after the kernel suites its provisional fit needs."""
+    from perfsim.calibrate import SUITES
+    from perfsim.calibrate.priority import builtin_case_priorities
+
+    text = emitted.read_text()
+    ranked, _ = builtin_case_priorities("smng-p2", SUITES + ("overheads",))
+    kernel_order = [p.suite for p in ranked if p.suite != "overheads"]
+    assert _launched_suites(text) == kernel_order
+    assert kernel_order[0] == "collective"  # Xe Link: most of the doubt, for SMNG-P2
+    lines = text.splitlines()
+    numbered = [p for p in ranked if p.suite != "overheads"] + [p for p in ranked if p.suite == "overheads"]
+    for i, p in enumerate(numbered):
+        assert any(line.startswith(f"# {i + 1}. {p.comment()}") for line in lines), p.suite
+    assert "# 1. collective: settles" in text and "node.node_link_bandwidth_Bps" in lines[lines.index(next(
+        line for line in lines if line.startswith("# 1. collective")))]
+    shares = [(round(p.decides, 2), round(p.moves, 2)) for p in ranked if p.suite != "overheads"]
+    assert shares == sorted(shares, reverse=True)
+    # the overhead runs: after every kernel suite, before the final fit, into the steps ledger
+    overhead_runs = [i for i, line in enumerate(lines) if line.startswith("run_overhead ")]
+    last_suite = max(i for i, line in enumerate(lines) if line.startswith("mpiexec"))
+    final_fit = lines.index("perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml")
+    assert len(overhead_runs) == 5 and last_suite < overhead_runs[0] and overhead_runs[-1] < final_fit
+    assert any("--ledger smng-p2-overheads.jsonl" in line for line in lines)
+    assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-provisional.toml" in lines
+
+
+def test_suites_flag_keeps_the_order_and_drops_the_rest(run_cli, tmp_path, monkeypatch):
+    job = emit(run_cli, tmp_path, monkeypatch, ("calibrate", "--emit-slurm", "j.sbatch", "--nodes", "2", "--suites",
+                                                "gemm,collective", "--no-fit"))
+    text = job.read_text()
+    assert _launched_suites(text) == ["collective", "gemm"] and "run_overhead" not in text and "--fit" not in text
+    r = run_cli("calibrate", "--emit-slurm", "k.sbatch", "--nodes", "2", "--suites", "overheads", "--no-fit")
+    assert r.code == 2 and "measures nothing" in r.err and r.err.count("\n") == 1
+
+
+def test_overhead_runs_record_what_the_local_campaign_records(tmp_path):
+    """`python -m validate.slurm probes` gives the probe times the provisional profile predicts,
+    and `record` keys a run as perfsim calibrate's local overhead runs do (validate.timing), so
+    the fit finds the job's runs in the steps ledger."""
+    from perfsim.calibrate.overheads import CALIBRATION_MODEL
+    from perfsim.spec.plan import Plan
+    from validate import slurm, timing
+
+    model, plan = CALIBRATION_MODEL.format(layers=2), Plan(dp=16, mbs=1, gbs=32)
+    out = subprocess.run([sys.executable, "-m", "validate.slurm", "probes", "--plan", json.dumps(plan.as_dict()),
+                          "--model", model, "--system", "smng-p2", "--dtype", "bf16"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    probe, norm = map(float, out.stdout.split())
+    assert (probe, norm) == pytest.approx(slurm.probes(plan.as_dict(), model, "smng-p2", "bf16"), rel=1e-5)
+    assert probe > 0 and norm > 0
+    result = tmp_path / "run.json"
+    result.write_text(FAKE_MPIEXEC.split("<<'JSON'\n")[1].split("JSON\n")[0])
+    ledger = tmp_path / "steps.jsonl"
+    assert slurm.record(str(result), plan.as_dict(), model, "smng-p2", 16, "bf16", 3, 1, str(ledger))
+    key = json.loads(ledger.read_text().splitlines()[-1])["key"]
+    assert key == timing.point_key(model, plan, "bf16", 3, 1, "xpu", 16)
+
+
 def test_script_workers_parse_as_perfsim_arguments(emitted):
     """The worker line is a valid `perfsim calibrate` command line (the parser accepts it)."""
     import shlex

@@ -1,6 +1,10 @@
 """The Slurm batch scripts of SuperMUC-NG Phase 2: a calibration campaign (`perfsim calibrate
 --emit-slurm`) and a training-step validation (`perfsim validate --emit-slurm`).
 
+The calibration job launches each microbenchmark suite on its own, in the order the caller gives
+(perfsim calibrate: the suite that settles most of the doubt about the plan and the step time
+first, perfsim/calibrate/priority.py), then the overhead runs, then the fit.
+
 One rank per Max 1550 tile (FLAT device hierarchy, 8 tiles per node), started by `mpiexec -ppn 8`;
 each rank reads its rank and local rank from PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID
 (validate.ranks.rank_environment), the rendezvous address from MASTER_ADDR / MASTER_PORT, which
@@ -56,10 +60,38 @@ class BatchJob:
     port_base: int = 29500
 
 
+@dataclass(frozen=True)
+class SuiteLaunch:
+    """One microbenchmark suite of a calibration campaign, launched on its own so that the suites
+    run in the order given: why it comes where it does (a comment) and its worker's arguments
+    (`perfsim calibrate --worker ... --suites SUITE`, validate.campaign.worker_argv)."""
+    comment: str
+    worker_argv: tuple
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadRuns:
+    """The `overheads` suite (perfsim.calibrate.overheads): real training steps of the calibration
+    model, each timed with speed probes from a provisional fit of the suites before it, recorded
+    in the steps ledger beside the calibration ledger (overheads_ledger)."""
+    comment: str
+    runs: tuple  # (model spec, plan as a dict of Plan fields), ...
+    provisional_fit_argv: tuple  # `perfsim calibrate --fit LEDGER ... --out PROVISIONAL`
+    provisional: str  # the profile that fit writes
+    ledger: str  # the steps ledger
+    dtype: str = "bf16"
+    steps: int = 3
+    warmup: int = 1
+    timeout: float = 300.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job(BatchJob):
-    """A calibration campaign on `nodes` x 8 tiles."""
-    worker_argv: tuple  # `perfsim calibrate --worker ...` arguments (validate.campaign.worker_argv)
+    """A calibration campaign on `nodes` x 8 tiles: the suites in the order given, then the
+    overhead runs, then the fit."""
+    suites: tuple  # SuiteLaunch, ...
+    order_note: tuple = ()  # comment lines on how the suites were ordered
+    overheads: OverheadRuns | None = None
     fit_argv: tuple  # `perfsim calibrate --fit ...` arguments, or empty
     job_name: str = "perfsim-calibrate"
 
@@ -107,19 +139,78 @@ def _command(argv) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+CALIBRATION_PORTS = 20  # launches of one calibration job (suites, overhead runs): launch i rendezvouses on PORT0 + i
+
+
 def script(job: Job) -> str:
     """The calibration batch script's text (deterministic: the golden-file test compares it byte for byte)."""
+    launches = len(job.suites) + (len(job.overheads.runs) if job.overheads else 0)
+    if not 1 <= launches <= CALIBRATION_PORTS:
+        raise ValueError(f"a calibration job makes 1 to {CALIBRATION_PORTS} launches, got {launches}")
     lines = _preamble(job, "perfsim calibrate", "perfsim calibrate --emit-slurm", "resumes from the ledger",
-                      f"$(( {job.port_base} + SLURM_JOB_ID % 1000 ))")
+                      f"$(( {job.port_base} + SLURM_JOB_ID % 50 * {CALIBRATION_PORTS} ))")
     lines += [
+        "PORT0=$MASTER_PORT",
         "",
-        'echo "perfsim calibrate: $NRANKS ranks on $SLURM_NNODES nodes, rendezvous $MASTER_ADDR:$MASTER_PORT"',
-        f'mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} {_command(("perfsim",) + tuple(job.worker_argv))}',
-    ]
+        'echo "perfsim calibrate: $NRANKS ranks on $SLURM_NNODES nodes, rendezvous $MASTER_ADDR:$PORT0"',
+        "",
+    ] + [f"# {line}" if line else "#" for line in job.order_note]
+    for i, suite in enumerate(job.suites):
+        lines += ["", f"# {i + 1}. {suite.comment}", f"MASTER_PORT=$(( PORT0 + {i} ))",
+                  f'mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} {_command(("perfsim",) + tuple(suite.worker_argv))}']
+    if job.overheads:
+        lines += _overhead_lines(job.overheads, len(job.suites))
     if job.fit_argv:
         lines += ["", "# Fit the profile to the ledger (no GPU needed; can be rerun anywhere)",
                   _command(("perfsim",) + tuple(job.fit_argv))]
     return "\n".join(lines) + "\n"
+
+
+def _overhead_lines(o: OverheadRuns, first: int) -> list:
+    """The overhead runs: a provisional fit of the suites measured so far, then one launch of
+    `python -m validate.steps` per run (speed probes from that fit), each recorded in the steps
+    ledger as `perfsim calibrate` records its local runs; a run already recorded is not run again."""
+    common = ("--dtype", o.dtype, "--steps", str(o.steps), "--warmup", str(o.warmup))
+    results = os.path.splitext(o.ledger)[0] + "-results"
+    lines = ["", f"# {first + 1}. {o.comment}",
+             "# Real training steps of the calibration model, timed with speed probes from a provisional",
+             "# fit of the suites above (perfsim/calibrate/overheads.py).",
+             _command(("perfsim",) + tuple(o.provisional_fit_argv)),
+             f"RESULTS={shlex.quote(results)}",
+             'mkdir -p "$RESULTS"',
+             "run_overhead() {",
+             '    local i=$1 model=$2 plan=$3 result="$RESULTS/run-$1.json" probes probe norm',
+             f'    MASTER_PORT=$(( PORT0 + {first} + i )); export MASTER_PORT',
+             '    if [ ! -s "$result" ]; then',
+             f'        probes=$(python -m validate.slurm probes --plan "$plan" --model "$model" '
+             f'--system {shlex.quote(o.provisional)} --dtype {o.dtype})',
+             '        read -r probe norm <<< "$probes"',
+             f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
+             f'--model "$model" --device xpu {_command(common)} --timeout {o.timeout:g} --probe-expected "$probe" '
+             '--norm-probe-expected "$norm"',
+             "    fi",
+             f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --model "$model" --system '
+             f'{shlex.quote(o.provisional)} {_command(common)} --ledger {shlex.quote(o.ledger)}',
+             "}"]
+    for i, (model, plan) in enumerate(o.runs):
+        lines.append(f"run_overhead {i} {shlex.quote(model)} "
+                     f"{shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))}")
+    return lines
+
+
+def probes(plan: dict, model_spec: str, system_name: str, dtype: str) -> tuple:
+    """(GEMM probe seconds, LayerNorm probe seconds) the profile predicts for the plan's speed
+    probes (validate.speed_probe), as `perfsim validate --emit-slurm` writes them into its job."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from perfsim.spec.system import load_system
+    from validate import timing
+    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
+
+    model, plan = load_model(model_spec), Plan(**plan)
+    system = timing.harness_system(load_system(system_name), dtype)
+    return (expected_probe_s(system, dtype, probe_gemm(model, plan)),
+            expected_norm_probe_s(system, dtype, probe_norm(model, plan)))
 
 
 MAX_PLANS = 100  # plan i rendezvouses on port base + i, inside the job's block of 100 ports
@@ -238,7 +329,15 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, required=True)
     r.add_argument("--warmup", type=int, required=True)
     r.add_argument("--ledger", required=True)
+    q = sub.add_parser("probes", help="print the seconds a profile predicts for a plan's two speed probes")
+    q.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
+    q.add_argument("--model", required=True)
+    q.add_argument("--system", required=True)
+    q.add_argument("--dtype", required=True)
     args = p.parse_args(argv)
+    if args.what == "probes":
+        print(" ".join(f"{t:.6g}" for t in probes(json.loads(args.plan), args.model, args.system, args.dtype)))
+        return 0
     added = record(args.result, json.loads(args.plan), args.model, args.system, args.nproc, args.dtype, args.steps,
                    args.warmup, args.ledger)
     print(f"{os.path.basename(args.result)}: {'added to' if added else 'already in'} {args.ledger}")

@@ -346,8 +346,42 @@ def _run_fit(args) -> None:
                statistic=args.statistic, clock=args.clock, description=args.description)
 
 
-def _run_emit_slurm(args) -> None:
+def _suite_launches(options, system: str) -> tuple:
+    """(SuiteLaunch per microbenchmark suite, in the order that settles most of the doubt about
+    the plan and the step time first; the comment lines saying so; the overheads suite's comment)."""
+    import dataclasses
+
+    from perfsim.calibrate.priority import builtin_case_priorities
     from validate.campaign import worker_argv
+    from validate.slurm import SuiteLaunch
+
+    ranked, unmeasured = builtin_case_priorities(system, CALIBRATE_SUITES)
+    note = ["Suites in the order of what their numbers settle (perfsim/calibrate/priority.py,",
+            f"docs/calibration.md): the built-in case (gpt3-175b on 16 nodes, global batch 300) over prior",
+            f"draws of {system}'s ranges; `perfsim sensitivity --plan-choice` shows the numbers one by one."]
+    note += [f"Not measured by this job: {key} ({decides:.0%} of the doubt about the plan, {moves:.0%} of the "
+             "step time's variance)" for key, decides, moves in unmeasured]
+    launches = tuple(SuiteLaunch(p.comment(), tuple(worker_argv(dataclasses.replace(options, suites=(p.suite,)))))
+                     for p in ranked if p.suite in options.suites)
+    overheads = next(p.comment() for p in ranked if p.suite == OVERHEADS)
+    return launches, tuple(note), overheads
+
+
+def _overhead_runs(options, system: str, world: int, comment: str):
+    """The overheads suite of the Slurm job (OverheadRuns), after the suites its provisional fit needs."""
+    from perfsim.calibrate.overheads import overhead_cases, overheads_ledger
+    from validate.slurm import OverheadRuns
+
+    provisional = os.path.splitext(options.ledger)[0] + "-provisional.toml"
+    dtype = next((d for d in options.dtypes if d in DTYPES), "bf16")
+    runs = tuple((model, plan.as_dict()) for model, plans in overhead_cases(world, options.quick) for plan in plans)
+    fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", provisional)
+    return OverheadRuns(comment=comment + "; after the suites above, whose fit times its steps", runs=runs,
+                        provisional_fit_argv=fit, provisional=provisional, ledger=overheads_ledger(options.ledger),
+                        dtype=dtype, steps=2 if options.quick else 3)
+
+
+def _run_emit_slurm(args) -> None:
     from validate.slurm import TILES_PER_NODE, Job, script
 
     if args.nodes is None:
@@ -363,8 +397,16 @@ def _run_emit_slurm(args) -> None:
     load_system(system)
     out = _out(args, system)
     fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", out)
-    job = Job(nodes=args.nodes, worker_argv=tuple(worker_argv(options)), fit_argv=() if args.no_fit else fit,
-              time=args.time, partition=args.partition, account=args.account, setup=tuple(args.setup))
+    suites, note, overheads_comment = _suite_launches(options, system)
+    overheads = None
+    if OVERHEADS in (args.suites or CALIBRATE_SUITES) and not args.no_fit:  # as locally: its probes need a fit
+        overheads = _overhead_runs(options, system, world, overheads_comment)
+    if not suites and overheads is None:
+        raise PerfsimError(f"--suites {OVERHEADS} with --no-fit measures nothing (its speed probes need a fit); "
+                           "leave out --no-fit or name another suite")
+    job = Job(nodes=args.nodes, suites=suites, order_note=note, overheads=overheads,
+              fit_argv=() if args.no_fit else fit, time=args.time, partition=args.partition, account=args.account,
+              setup=tuple(args.setup))
     from perfsim.files import write_output
 
     path = args.emit_slurm  # a new script is executable; an existing file keeps its permissions

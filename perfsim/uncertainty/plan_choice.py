@@ -62,7 +62,7 @@ def decided_share(x: np.ndarray, r: np.ndarray, bins: int = BINS, seed: int = 0)
     if loss <= 0:
         return 0.0
     share = (loss - _loss_knowing(r, np.array_split(np.argsort(x, kind="stable"), bins))) / loss
-    return float(min(1.0, max(0.0, share - shuffled_share(x, r, bins, seed))))
+    return round(float(min(1.0, max(0.0, share - shuffled_share(x, r, bins, seed)))), 12)  # no 1e-16 left over
 
 
 def shuffled_share(x: np.ndarray, r: np.ndarray, bins: int = BINS, seed: int = 0) -> float:
