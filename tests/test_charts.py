@@ -325,11 +325,11 @@ def test_validation_command_and_report(tmp_path, capsys):
     assert code == 0, err
     report = tmp_path / "report.html"
     code, stdout, err = _run(["report", *CASE, "--top", "2", "--node-counts", "2,4", "--ledger", str(ledger),
-                              "--out", str(report)], capsys)
+                              "--samples", "32", "--out", str(report)], capsys)
     assert code == 0, err
-    assert "7 of 7 charts drawn" in stdout
+    assert "8 of 8 charts drawn" in stdout  # with the uncertainty section (on by default)
     text = report.read_text()
-    assert text.count("Plotly.newPlot") == 7 and report.stat().st_size < 10e6
+    assert text.count("Plotly.newPlot") == 8 and report.stat().st_size < 10e6
     assert text.count("plotly.js v") == 1  # the library once, shared by every chart
 
 

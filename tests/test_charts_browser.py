@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not instal
                                                          ".ci/run installs it, so CI runs these tests)")
 
 CASE = ["--model", "smng-p2-20b", "--system", "smng-p2", "--nodes", "2", "--gbs", "16", "--tp", "4", "--pp", "4",
-        "--fix", "order=tp-dp-pp", "--fix", "zero=0", "--top", "3", "--node-counts", "2,4,8"]
+        "--fix", "order=tp-dp-pp", "--fix", "zero=0", "--top", "3", "--node-counts", "2,4,8",
+        "--uncertainty", "--samples", "32"]  # bands, error bars, the what-if's spread; the report's section
 KINDS = ("whatif", "heatmap", "scaling", "memory", "breakdown", "timeline", "validation")
 
 
@@ -56,7 +57,7 @@ def test_page_draws_its_plots_without_errors(kind, pages):
     assert result["errors"] == [], result["errors"]
     assert result["plotly"], "plotly.js did not load from the page itself"
     plots = result["plots"]
-    assert len(plots) == (7 if kind == "report" else 1)
+    assert len(plots) == (8 if kind == "report" else 1)
     for plot in plots:
         assert plot["traces"] > 0 and plot["points"] > 0, plot
         assert plot["marks"] > 0, f"nothing drawn in the SVG: {plot}"

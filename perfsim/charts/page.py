@@ -22,8 +22,9 @@ section.chart { margin-bottom: 2em; }
 
 
 def page_html(sections: list, heading: str, lead: str = "", h1: bool = True) -> str:
-    """One HTML document. `sections`: (heading or "", figure or None, note) per chart; a section
-    without a figure shows its note only (what is missing and why)."""
+    """One HTML document. `sections`: (heading or "", figure or None, note) per chart, the note a
+    string or a list of paragraphs; a section without a figure shows its note only (what is
+    missing and why)."""
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(heading)}</title>",
              f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<style>{_STYLE}</style>",
              f"<script type=\"text/javascript\">{get_plotlyjs()}</script>\n</head>\n<body>",
@@ -34,8 +35,9 @@ def page_html(sections: list, heading: str, lead: str = "", h1: bool = True) -> 
         parts.append(f"<section class=\"chart\" id=\"section-{n}\">")
         if name:
             parts.append(f"<h2>{html.escape(name)}</h2>")
-        if note:
-            parts.append(f"<p class=\"note\">{html.escape(note)}</p>")
+        for paragraph in [note] if isinstance(note, str) else note:
+            if paragraph:
+                parts.append(f"<p class=\"note\">{html.escape(paragraph)}</p>")
         if fig is not None:
             parts.append(pio.to_html(fig, include_plotlyjs=False, full_html=False, config=CONFIG,
                                      div_id=f"chart-{n}"))

@@ -12,6 +12,7 @@ from perfsim.reproduce import (SMNG_PUBLISHED_EFFICIENCY, SMNG_SCALING_BASE, SMN
 from perfsim.scaling import scale
 
 MODE_COLOURS = {"weak": "#4c78a8", "strong": "#f58518"}
+BAND_COLOURS = {"weak": "rgba(76,120,168,0.2)", "strong": "rgba(245,133,24,0.2)"}
 
 
 def published_points(model, system, base, nodes) -> dict:
@@ -44,11 +45,19 @@ def compute(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: in
 
 
 def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int | None = None,
-           dtype: str = "bf16") -> go.Figure:
-    """Efficiency against nodes for `base` (a Plan on nodes[0] nodes), both modes by default."""
+           dtype: str = "bf16", samples: int | None = None) -> go.Figure:
+    """Efficiency against nodes for `base` (a Plan on nodes[0] nodes), both modes by default;
+    with `samples`, each curve in its P10-P90 band over that many draws of the profile's ranges."""
     if not nodes or any(n < 1 for n in nodes):
         raise PerfsimError("scaling needs a list of positive node counts, e.g. 16,32,64,128")
     points, problems = compute(model, system, base, nodes, modes, strong_gbs, dtype)
+    spreads, unexplained = {}, ""
+    if samples:
+        from perfsim.charts.robustness import draws_of
+        from perfsim.uncertainty.scaling import scaling_spread
+
+        draws, unexplained = draws_of(system, samples)
+        spreads = {mode: scaling_spread(model, draws, series, mode == "weak", dtype) for mode, series in points.items()}
     published = published_points(model, system, base, list(nodes))
     fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.1,
                         subplot_titles=("scaling efficiency against the first point",
@@ -56,6 +65,8 @@ def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int
     fig.add_trace(go.Scatter(x=[nodes[0], nodes[-1]], y=[100, 100], mode="lines", name="ideal (100%)",
                              line={"color": "#999999", "dash": "dash"}, hoverinfo="skip"), row=1, col=1)
     for mode, series in points.items():
+        if mode in spreads:
+            _add_band(fig, mode, series, spreads[mode])
         hover = []
         for p in series:
             pr = p.prediction
@@ -87,7 +98,9 @@ def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int
     fig.update_xaxes(type="log", tickvals=list(nodes), ticktext=[str(n) for n in nodes],
                      title_text="nodes (log scale)", row=1, col=1)
     fig.update_yaxes(title_text="scaling efficiency (%)", row=1, col=1,
-                     range=[min(50, min(100 * p.efficiency for s in points.values() for p in s) - 5), 105])
+                     range=[min(50, min(100 * p.efficiency for s in points.values() for p in s) - 5,
+                                min((100 * u["efficiency"]["p10"] for s in spreads.values() for u in s), default=100) - 5),
+                            105])
     fig.update_xaxes(title_text="scaling mode and nodes", row=1, col=2)
     fig.update_yaxes(title_text="efficiency lost (percentage points)", row=1, col=2)
     notes = [f"{model.name} on {system.name}, starting from {nodes[0]} nodes with {plan_label(base)}.",
@@ -100,11 +113,31 @@ def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int
     else:
         notes.append("No published points for this case (they exist for the SMNG-P2 175B protocol only).")
     notes += [f"No {mode} scaling: {why}." for mode, why in problems.items()]
+    if spreads:
+        first = next(iter(spreads.values()))[0]
+        what = "the posterior conditioned on the profile's observations" if system.observations else "the profile's ranges"
+        notes.append(f"Shaded: P10 to P90 of the efficiency over {first['samples']} draws of {what}, the same draws at "
+                     "every node count (each draw against its own first point)." + (f" {unexplained}" if unexplained else ""))
     fig.update_layout(title=title("How well does training scale with more nodes?", " ".join(notes), 150),
                       barmode="relative", legend={"x": 1.02, "y": 1})
     style(fig, height=620)
     fig.update_layout(margin={"t": 150, "r": 300})
     return fig
+
+
+def _add_band(fig, mode: str, series, spread) -> None:
+    """The P10-P90 band of one mode's efficiency: a lower edge, then an upper edge filled down to it."""
+    x = [p.nodes for p in series]
+    hover = [f"<b>{mode} scaling, {p.nodes} nodes, over {u['samples']} draws</b><br>efficiency P10 "
+             f"{u['efficiency']['p10']:.1%} .. P50 {u['efficiency']['p50']:.1%} .. P90 {u['efficiency']['p90']:.1%}"
+             f"<br>step time {u['step_time_s']['p10']:.2f} .. {u['step_time_s']['p50']:.2f} .. "
+             f"{u['step_time_s']['p90']:.2f} s" for p, u in zip(series, spread)]
+    edge = {"color": MODE_COLOURS[mode], "width": 0}
+    fig.add_trace(go.Scatter(x=x, y=[100 * u["efficiency"]["p10"] for u in spread], mode="lines", line=edge,
+                             showlegend=False, legendgroup=f"band-{mode}", hoverinfo="skip"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=[100 * u["efficiency"]["p90"] for u in spread], mode="lines", line=edge,
+                             fill="tonexty", fillcolor=BAND_COLOURS[mode], name=f"{mode} scaling, P10-P90 over the draws",
+                             legendgroup=f"band-{mode}", hovertext=hover, hoverinfo="text"), row=1, col=1)
 
 
 def _shown(fig) -> set:

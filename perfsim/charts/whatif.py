@@ -68,6 +68,7 @@ class WhatIf:
     pool_size: int
     counts: dict
     keep: int
+    leaders: tuple = ()  # the fastest plans that fit at 1x, fastest first: the candidates of P(best)
 
 
 def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
@@ -115,7 +116,19 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
                 best[knob].append(None if where is None else pick(fit_groups, r, *where))
                 baseline[knob].append(pick(fit_groups, r, *fit_home))
     pool_size = sum(len(cols["tp"]) for _, _, cols in groups)
-    return WhatIf(tuple(multipliers), best, baseline, pool_size, counts, keep)
+    return WhatIf(tuple(multipliers), best, baseline, pool_size, counts, keep, _leaders(fit_groups, fit_results))
+
+
+def _leaders(groups: list, results: list) -> tuple:
+    """The robust.CANDIDATES fastest plans that fit, fastest first (as perfsim search --robust takes its candidates)."""
+    from perfsim.uncertainty.robust import CANDIDATES
+
+    found = []
+    for g, (_, _, cols) in enumerate(groups):
+        step = np.broadcast_to(np.asarray(results[g]["step_time_s"], float), np.shape(cols["tp"]))
+        fits = np.broadcast_to(np.asarray(results[g]["fits"], bool), step.shape)
+        found += [(float(step[i]), g, int(i)) for i in np.flatnonzero(fits)]
+    return tuple(pick(groups, results, g, i).plan for _, g, i in sorted(found)[:CANDIDATES])
 
 
 # Knobs that change only the device's numbers: every cost function takes them as numbers in
@@ -189,24 +202,49 @@ def _evaluate_device_knob(model, system: System, groups: list, knob: str, moved:
     return out
 
 
-def _text(knob: str, m: float, b, one, capacity: float) -> str:
+def _text(knob: str, m: float, b, one, capacity: float, sure: str = "") -> str:
+    """The plan box; `sure` (how sure the 1x best plan is) is added at 1x."""
     setting = "the profile as it is (every multiplier 1x)" if m == 1.0 else f"{KNOBS[knob]} x{m:g}, the rest 1x"
     if b is None:
         return f"<b>{setting}</b><br>no kept plan fits in device memory"
     change = b.tokens_per_s / one.tokens_per_s - 1
     return (f"<b>{setting}</b><br>best plan: {plan_label(b.plan)}<br>"
             f"<b>{b.tokens_per_s:,.0f} tokens/s</b> ({change:+.1%} against 1x), step {b.step_time_s:.2f} s, "
-            f"MFU {b.mfu:.1%}, memory {b.memory_bytes / GIB:.1f} of {capacity / GIB:.1f} GiB")
+            f"MFU {b.mfu:.1%}, memory {b.memory_bytes / GIB:.1f} of {capacity / GIB:.1f} GiB"
+            + (f"<br>{sure}" if sure and m == 1.0 else ""))
+
+
+def _how_sure(model, system, w: WhatIf, one, dtype: str, samples: int | None, robust_samples: int | None) -> tuple:
+    """(the 1x best plan's spread, or None, and the plan box's lines on its spread and P(best))."""
+    from perfsim.charts import robustness
+
+    if not (samples or robust_samples):
+        return None, ""
+    lines, spread = [], None
+    if samples:
+        spreads, _, _ = robustness.plan_spreads(model, system, [one.plan], samples, dtype)
+        spread = spreads[0]
+        lines.append(f"over {spread['samples']} draws of {robustness.drawn_from(system)}: step "
+                     f"{robustness.span(spread['step_time_s'], lambda v: f'{v:.2f} s')}")
+    if robust_samples:
+        ranked, _ = robustness.ranked_plans(model, system, [one.plan, *w.leaders], robust_samples, dtype)
+        among = f"the {len(ranked)} fastest plans at 1x"
+        lines.append(f"over {robust_samples} draws it is {robustness.odds_text(robustness.find(ranked, one.plan), among)}")
+    return spread, "<br>".join(lines)
 
 
 def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dtype: str = "bf16",
-           keep: int = 1000, multipliers=MULTIPLIERS, data: WhatIf | None = None) -> go.Figure:
-    """The what-if page: sensitivity lines, the best plan's breakdown, one slider per knob."""
+           keep: int = 1000, multipliers=MULTIPLIERS, data: WhatIf | None = None, samples: int | None = None,
+           robust_samples: int | None = None) -> go.Figure:
+    """The what-if page: sensitivity lines, the best plan's breakdown, one slider per knob. With
+    `samples`, the 1x best plan's throughput P10-P90 over that many draws of the profile's ranges;
+    with `robust_samples`, its P(best) among the fastest plans at 1x over that many draws."""
     w = data or precompute(model, system, devices, gbs, fixes, dtype, keep, multipliers)
     knobs = list(w.best)
     mults = list(w.multipliers)
     home = mults.index(1.0)
     one = w.best[knobs[0]][home]
+    spread, sure = _how_sure(model, system, w, one, dtype, samples, robust_samples)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.1,
                         subplot_titles=("best throughput with one multiplier moved",
                                         "where the step time goes (exposed seconds)"))
@@ -217,6 +255,15 @@ def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dty
         fig.add_trace(go.Scatter(x=mults, y=ys, mode="lines+markers", name=KNOBS[knob], legendgroup="knobs",
                                  legendgrouptitle_text="multiplier moved", line={"color": KNOB_COLOURS[knob]},
                                  hovertext=hover, hoverinfo="text"), row=1, col=1)
+    if spread:
+        q = spread["tokens_per_s"]
+        fig.add_trace(go.Scatter(
+            x=[1.0], y=[q["p50"]], mode="markers", name=f"1x best plan: P10-P90 over {spread['samples']} draws",
+            marker={"symbol": "line-ew-open", "size": 14, "color": "black"},
+            error_y={"type": "data", "symmetric": False, "array": [q["p90"] - q["p50"]], "arrayminus": [q["p50"] - q["p10"]],
+                     "color": "black", "thickness": 2, "width": 8},
+            hovertext=[f"1x best plan over {spread['samples']} draws:<br>tokens/s P10 {q['p10']:,.0f} .. P50 {q['p50']:,.0f} "
+                       f".. P90 {q['p90']:,.0f}"], hoverinfo="text"), row=1, col=1)
     marker = len(fig.data)
     fig.add_trace(go.Scatter(x=[1.0], y=[one.tokens_per_s], mode="markers", name="current setting",
                              marker={"size": 16, "color": "rgba(0,0,0,0)", "line": {"width": 3, "color": "black"}},
@@ -231,7 +278,7 @@ def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dty
     term_traces = list(range(first_term, len(fig.data)))
     capacity = system.device.memory_bytes
     note = len(fig.layout.annotations)
-    fig.add_annotation(text=_text(knobs[0], 1.0, one, one, capacity), xref="paper", yref="paper", x=0.0, y=1.06,
+    fig.add_annotation(text=_text(knobs[0], 1.0, one, one, capacity, sure), xref="paper", yref="paper", x=0.0, y=1.06,
                        xanchor="left", yanchor="bottom", showarrow=False, align="left",
                        bgcolor="#f4f4f4", bordercolor="#cccccc", borderpad=6)
 
@@ -241,7 +288,8 @@ def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dty
         for j, m in enumerate(mults):
             b, base = w.best[knob][j], w.baseline[knob][j]
             xs = [[b.breakdown_s[t] if b else 0.0, base.breakdown_s[t] if base else 0.0] for t in TERM_LABELS]
-            layout = {f"annotations[{note}].text": _text(knob, m, b, one, capacity * (m if knob == "memory" else 1.0))}
+            layout = {f"annotations[{note}].text": _text(knob, m, b, one, capacity * (m if knob == "memory" else 1.0),
+                                                         sure)}
             layout.update({f"sliders[{o}].active": home for o in range(len(knobs)) if o != s})
             steps.append({"label": f"{m:g}x", "method": "update",
                           "args": [{"x": [[m]] + xs, "y": [[b.tokens_per_s if b else None]] + [rows] * len(xs)},

@@ -12,7 +12,9 @@ HEATMAP_KNOBS = ("tp", "pp", "dp", "mbs", "vpp", "zero", "recompute", "schedule"
 
 def add_chart_flags(p) -> None:
     """The case (as predict takes it) and every chart's own options; shared with `perfsim report`."""
-    from perfsim.cli import _add_case_flags, _add_plan_flags, _positive
+    import argparse
+
+    from perfsim.cli import _add_case_flags, _add_plan_flags, _positive, whole_number
 
     _add_case_flags(p)
     _add_plan_flags(p, left_out="the built-in case's plan if no model, system or device count is given; else, "
@@ -37,6 +39,14 @@ def add_chart_flags(p) -> None:
                    help="scaling: global batch of strong scaling (default: the plan's; built-in case: 2520)")
     g.add_argument("--sim-schedule", dest="sim_schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="timeline: simulate this schedule instead of the plan's (zb-h1: zero-bubble H1)")
+    g.add_argument("--uncertainty", action=argparse.BooleanOptionalAction, default=None,
+                   help="scaling: P10-P90 bands; breakdown: P10-P90 error bars; whatif: the best plan's spread and "
+                        "P(best); over draws of the profile's ranges conditioned on its observations. perfsim report "
+                        "shows them, and a section on them, unless --no-uncertainty; perfsim chart only with "
+                        "--uncertainty")
+    g.add_argument("--samples", type=whole_number(16, 4096),
+                   help="draws for the uncertainty (default: 512 for spreads, as perfsim predict --uncertainty; "
+                        "256 for P(best), as perfsim search --robust)")
     g.add_argument("--ledger", metavar="FILE.jsonl",
                    help="validation: a measurement ledger written by perfsim calibrate / validate/")
     g.add_argument("--statistic", default="expected", choices=("expected", "min", "median", "p25", "mean"),
@@ -64,12 +74,17 @@ class Case:
     kept as fixes. It is searched when first asked for (whatif, heatmap, validation never ask),
     and `announce` hears which plan was chosen."""
 
-    def __init__(self, args, announce=None):
+    def __init__(self, args, announce=None, uncertainty_default: bool = False):
         from perfsim.cli import build_case, derived_dp, device_count, is_builtin, load_case, plan_flags_given
         from perfsim.search import parse_fixes
 
         if args.top < 0:
             raise PerfsimError(f"--top must be 0 or more, got {args.top}")
+        self.uncertainty = uncertainty_default if args.uncertainty is None else args.uncertainty
+        if args.samples is not None and not self.uncertainty:
+            raise PerfsimError("--samples counts the draws of the uncertainty; leave out --no-uncertainty"
+                               if uncertainty_default else "--samples counts the draws of --uncertainty; give --uncertainty too")
+        self.samples = args.samples  # None: each use's own default
         self.builtin = is_builtin(args)
         self.fixes = parse_fixes(args.fix)
         self.dtype = args.dtype
@@ -77,7 +92,11 @@ class Case:
         self.searched = not self.builtin and not {"tp", "pp"} <= set(self.given)
         self.chosen = ""  # how the plan was chosen, when searched
         self.found = None  # that search's result, when its fixes are the page's (no plan flag given)
-        self._announce, self._top, self._fix_items = announce, max(args.top, 1), list(args.fix)
+        # with the uncertainty, the search the plan comes from also gives the report's P(best) candidates
+        from perfsim.uncertainty.robust import CANDIDATES
+
+        self.candidates = max(args.top, CANDIDATES if self.uncertainty else 1)  # plans the search keeps
+        self._announce, self._fix_items = announce, list(args.fix)
         if self.searched:
             self.model, self.system = load_case(args)
             self.devices = device_count(args, self.system, self.given)
@@ -88,6 +107,19 @@ class Case:
         else:
             self.model, self.system, self._plan = build_case(args)
             self.devices, self.gbs = self._plan.devices, self._plan.gbs
+
+    def spread_samples(self) -> int | None:
+        """Draws for the spreads (bands, error bars), as perfsim predict --uncertainty takes them;
+        None without the uncertainty."""
+        from perfsim.uncertainty.sampling import DEFAULT_SAMPLES
+
+        return (self.samples or DEFAULT_SAMPLES) if self.uncertainty else None
+
+    def robust_samples(self) -> int | None:
+        """Draws for P(best), as perfsim search --robust takes them; None without the uncertainty."""
+        from perfsim.uncertainty.robust import ROBUST_SAMPLES
+
+        return (self.samples or ROBUST_SAMPLES) if self.uncertainty else None
 
     @property
     def plan(self):
@@ -108,7 +140,7 @@ class Case:
         fixes = [f"{k}={v}" for k, v in knobs.items()]
         fixes += [f"tp_mode={m}" for m, names in TP_AXES.items() if sorted(names) == axes and "tp_mode" not in knobs]
         result = search(self.model, self.system, self.devices, self.gbs, parse_fixes(self._fix_items + fixes),
-                        top=self._top, dtype=self.dtype)
+                        top=self.candidates, dtype=self.dtype)
         plan = result.plans[0].plan.replace(**applied)
         if not knobs and not applied:
             self.found = result
@@ -156,7 +188,8 @@ def figure_for(kind: str, case: Case, args):
     if kind == "whatif":
         from perfsim.charts import whatif
 
-        return whatif.figure(case.model, case.system, case.devices, case.gbs, case.fixes, case.dtype, keep=args.keep)
+        return whatif.figure(case.model, case.system, case.devices, case.gbs, case.fixes, case.dtype, keep=args.keep,
+                             samples=case.spread_samples(), robust_samples=case.robust_samples())
     if kind == "heatmap":
         from perfsim.charts import heatmap
 
@@ -166,14 +199,17 @@ def figure_for(kind: str, case: Case, args):
 
         modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
         nodes, strong_gbs = case.node_counts(args), case.strong_gbs(args)  # bad flags fail before the search
-        return scaling.figure(case.model, case.system, case.plan, nodes, modes, strong_gbs, case.dtype)
+        return scaling.figure(case.model, case.system, case.plan, nodes, modes, strong_gbs, case.dtype,
+                              case.spread_samples())
     if kind in ("memory", "breakdown"):
         from perfsim.charts import breakdown, memory
         from perfsim.charts.plans import plan_set
 
         plans, note = plan_set(case.model, case.system, case.plan, case.devices, case.gbs, args.top, case.fixes,
                                case.dtype, args.pareto, result=case.found)
-        return (memory if kind == "memory" else breakdown).figure(case.model, case.system, plans, note)
+        if kind == "breakdown":
+            return breakdown.figure(case.model, case.system, plans, note, case.spread_samples())
+        return memory.figure(case.model, case.system, plans, note)
     if kind == "timeline":
         from perfsim.charts import timeline
 

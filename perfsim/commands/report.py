@@ -28,24 +28,58 @@ def sections(case, args, progress=None) -> list:
     out = []
 
     def section(heading, build):
+        """`build` returns a figure, or (figure, note)."""
         if progress:
             progress(f"report: {heading}")
         try:
-            out.append((heading, build(), ""))
+            built = build()
+            out.append((heading, *(built if isinstance(built, tuple) else (built, ""))))
         except PerfsimError as exc:
             out.append((heading, None, f"Not drawn for this case: {exc}"))
 
     m, s, plan = case.model, case.system, case.plan
-    plans = []
+    plans, found = [], []
+
+    def searched():
+        """The search the comparisons and P(best) share: at least robust.CANDIDATES plans with the uncertainty."""
+        if not found:
+            from perfsim.search import search
+
+            found.append(case.found or search(m, s, case.devices, case.gbs, case.fixes, top=case.candidates,
+                                              dtype=case.dtype))
+        return found[0]
 
     def compared():
         if not plans:
+            try:
+                result = searched() if case.uncertainty else case.found
+            except PerfsimError:
+                result = None  # plan_set says why beside your plan
             plans.append(plan_set(m, s, plan, case.devices, case.gbs, args.top, case.fixes, case.dtype, args.pareto,
-                                  result=case.found))
+                                  result=result))
         return plans[0]
 
-    section("Where the step time goes", lambda: breakdown.figure(m, s, *compared()))
+    def how_sure():
+        from perfsim.charts import robustness
+        from perfsim.uncertainty.robust import verdict
+
+        spreads, posterior, note = robustness.plan_spreads(m, s, [plan], case.spread_samples(), case.dtype)
+        samples = case.robust_samples()
+        best = [p.plan for p in searched().plans]
+        ranked, _ = robustness.ranked_plans(m, s, best + [plan], samples, case.dtype)
+        among = f"the search's best {len(best)} plans" + (" and yours" if len(ranked) > len(best) else "")
+        fig = robustness.figure(m, s, ranked, samples, show=max(args.top, 5), yours=robustness.find(ranked, plan))
+        return fig, robustness.section_notes(s, plan, spreads[0], posterior, ranked, among, verdict(ranked), note, samples)
+
+    section("Where the step time goes",
+            lambda: breakdown.figure(m, s, *compared(), samples=case.spread_samples()))
     section("Memory per device", lambda: memory.figure(m, s, *compared()))
+    if case.uncertainty:
+        section("How sure is this prediction", how_sure)
+    else:
+        out.append(("How sure is this prediction", None,
+                    "Left out (--no-uncertainty): without it the report shows your plan's spread over the profile's "
+                    "ranges, the observations they are conditioned on, and P(best) of the best plans."))
 
     pool, grid, swept = PlanPool(args.keep), heatmap.Grid(args.x, args.y), {}
 
@@ -64,13 +98,14 @@ def sections(case, args, progress=None) -> list:
         counts = shared_sweep()
         data = whatif.precompute(m, s, case.devices, case.gbs, case.fixes, case.dtype, args.keep,
                                  pooled=(pool.groups(), counts))
-        return whatif.figure(m, s, case.devices, case.gbs, data=data)
+        return whatif.figure(m, s, case.devices, case.gbs, dtype=case.dtype, data=data, samples=case.spread_samples(),
+                             robust_samples=case.robust_samples())
 
     section(f"Best throughput by {args.x} and {args.y}", heat)
     section("What if the hardware were different", what_if)
     modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
     section("Scaling with more nodes", lambda: scaling.figure(m, s, plan, case.node_counts(args), modes,
-                                                               case.strong_gbs(args), case.dtype))
+                                                               case.strong_gbs(args), case.dtype, case.spread_samples()))
     section("One simulated training step", lambda: timeline.figure(m, s, plan, case.dtype, args.sim_schedule))
     if args.ledger:
         section("Predictions against measurements",
@@ -90,7 +125,7 @@ def run(args) -> None:
     from perfsim.search import stderr_progress
 
     check_out(args.out)
-    case = Case(args, announce=stderr_progress)
+    case = Case(args, announce=stderr_progress, uncertainty_default=True)
     p = predict(case.model, case.system, case.plan, case.dtype)  # an invalid plan stops here, with its reasons
     from perfsim.charts._common import GIB, case_line, plan_label
 

@@ -13,7 +13,7 @@ PROTOCOL_STRONG_GBS = 2520
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_plan_flags
+    from perfsim.cli import _add_plan_flags, whole_number
 
     p = sub.add_parser("scale", help="weak or strong scaling of a plan over node counts")
     p.add_argument("--model", help="preset, key=value spec or .toml (default: gpt3-175b, with the SMNG-P2 protocol)")
@@ -26,6 +26,10 @@ def register(sub) -> None:
                    help="training precision (default bf16; fp8 on a profile with an FP8 peak)")
     _add_plan_flags(p)
     p.add_argument("--json", action="store_true", help='one JSON object {"points": [...]}')
+    p.add_argument("--uncertainty", action="store_true",
+                   help="also P10/P50/P90 of each point's step time and efficiency over draws of the profile's "
+                        "ranges, conditioned on its observations (the same draws at every node count)")
+    p.add_argument("--samples", type=whole_number(16, 65536), help="draws for --uncertainty (default 512)")
     p.set_defaults(run=run, devices=None)
 
 
@@ -63,10 +67,14 @@ def run(args) -> None:
             args.gbs = PROTOCOL_MICROBATCHES * args.mbs * dp if args.weak else PROTOCOL_STRONG_GBS
         args.model, args.system = BUILTIN_CASE["model"], BUILTIN_CASE["system"]
     model, system, base = build_case(args)
+    if args.samples is not None and not args.uncertainty:
+        raise PerfsimError("--samples counts the draws of --uncertainty; give --uncertainty too")
     points = scale(model, system, base, nodes, weak=args.weak, dtype=args.dtype)
+    spread = _spread(args, model, system, points)
     if args.json:
         print(json.dumps({"mode": "weak" if args.weak else "strong", "model": model.name, "system": system.name,
-                          "points": [p.as_json() for p in points]}, indent=2))
+                          "points": [p.as_json() | ({"uncertainty": u} if spread else {})
+                                     for p, u in zip(points, spread or points)]}, indent=2))
         return
     kind = "weak" if args.weak else "strong"
     cp = f", CP {base.cp}" if base.cp > 1 else ""
@@ -80,3 +88,29 @@ def run(args) -> None:
         print(f"{p.nodes:>6} {pr.devices:>8} {pr.plan.gbs:>6} {pr.step_time_s:>8.2f}s {pr.tokens_per_s:>11,.0f} "
               f"{p.efficiency:>7.1%}   " + "  ".join(f"{p.loss_points[k]:>+8.1f}p" for k in terms))
     print("after eff: points of efficiency each term costs against the first point (they add up to 100 - eff)")
+    if spread:
+        what = "posterior conditioned on the profile's observations" if system.observations else "the profile's ranges"
+        print(f"\nuncertainty (P10 .. P50 .. P90 over {spread[0]['samples']} draws of {what}, the same draws at every "
+              "node count)")
+        print(f"{'nodes':>6} {'step time':>28} {'efficiency':>24}")
+        for p, u in zip(points, spread):
+            t, e = u["step_time_s"], u["efficiency"]
+            print(f"{p.nodes:>6} {t['p10']:>8.2f} .. {t['p50']:>6.2f} .. {t['p90']:>6.2f} s "
+                  f"{e['p10']:>6.1%} .. {e['p50']:>6.1%} .. {e['p90']:>6.1%}")
+
+
+def _spread(args, model, system, points):
+    """Per point the step time and efficiency over the draws, when --uncertainty is given; what
+    the observations cannot explain goes to stderr as a note."""
+    if not args.uncertainty:
+        return None
+    import sys
+
+    from perfsim.uncertainty.posterior import profile_draws
+    from perfsim.uncertainty.sampling import DEFAULT_SAMPLES
+    from perfsim.uncertainty.scaling import scaling_spread
+
+    draws, posterior = profile_draws(system, args.samples or DEFAULT_SAMPLES)
+    if posterior is not None and posterior.unexplained:
+        print(f"perfsim: note: {posterior.unexplained_text()}", file=sys.stderr)
+    return scaling_spread(model, draws, points, args.weak, args.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 
 from perfsim.cost.columns import columns_of
 from perfsim.uncertainty.observations import load_observations
-from perfsim.uncertainty.sampling import DEFAULT_COMM_POINTS, DEFAULT_SAMPLES, Draws, draw, evaluate_draws
+from perfsim.uncertainty.sampling import DEFAULT_COMM_POINTS, DEFAULT_SAMPLES, Draws, cache_folder, draw, evaluate_draws
 
 # Prior draws conditioning starts from when a profile names observations: several times the
 # draws a prediction reports, since only a share of them agrees with the observations.
@@ -53,6 +53,10 @@ class Posterior:
 
     def z(self, obs) -> np.ndarray:
         return (self.predicted[obs.name] - obs.value) / obs.tolerance
+
+    def predicted_percentiles(self, obs) -> list:
+        """[P10, P50, P90] of the observation's quantity under the posterior (the weighted draws)."""
+        return _weighted_percentiles(self.predicted[obs.name], self.weights)
 
     def unexplained_text(self) -> str:
         """One sentence per observation the ranges cannot explain with the others ('' if none)."""
@@ -155,8 +159,7 @@ def _cache_file(inputs: tuple) -> str:
     for name in [p for p in inputs[:2] if p] + sources:
         with open(name, "rb") as fh:
             digest.update(fh.read())
-    folder = os.environ.get("PERFSIM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "perfsim")
-    return os.path.join(folder, f"posterior-{digest.hexdigest()[:32]}.npz")
+    return os.path.join(cache_folder(), f"posterior-{digest.hexdigest()[:32]}.npz")
 
 
 def _weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs=(10, 50, 90)) -> list:

@@ -22,12 +22,17 @@ def predict_uncertainty(model, system, plan, samples: int = DEFAULT_SAMPLES, dty
     """(the `uncertainty` object of predict --json, a note on what the observations could not
     explain or '')."""
     draws, posterior = profile_draws(system, samples, seed)
+    return plan_spread(model, draws, plan, dtype), posterior.unexplained_text() if posterior is not None else ""
+
+
+def plan_spread(model, draws, plan, dtype: str = "bf16") -> dict:
+    """The `uncertainty` object of one plan under draws already taken (several plans' charts
+    share one set of draws)."""
     r = evaluate_draws(model, draws, columns_of(plan), dtype)
-    summary = {"samples": int(draws.n), "step_time_s": percentiles(r["step_time_s"]),
-               "tokens_per_s": percentiles(r["tokens_per_s"]),
-               "memory_total_bytes": percentiles(r["memory_bytes"]["total"]),
-               "time_breakdown_s": {part: percentiles(v) for part, v in r["time_breakdown_s"].items()}}
-    return summary, posterior.unexplained_text() if posterior is not None else ""
+    return {"samples": int(draws.n), "step_time_s": percentiles(r["step_time_s"]),
+            "tokens_per_s": percentiles(r["tokens_per_s"]),
+            "memory_total_bytes": percentiles(r["memory_bytes"]["total"]),
+            "time_breakdown_s": {part: percentiles(v) for part, v in r["time_breakdown_s"].items()}}
 
 
 def uncertainty_lines(summary: dict, conditioned: bool) -> str:
