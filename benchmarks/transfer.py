@@ -44,9 +44,10 @@ def perfsim(args: list, env: dict, log) -> tuple:
 
 
 def held_out(report: str) -> dict:
-    """Held-out MAPE by kind from calibrate's report rows (or a profile's header): GEMMs from their
-    table where one was kept (else the curve's row), element-wise kernels and collectives from
-    their tables, and the framework overheads."""
+    """Held-out MAPE by kind from calibrate's report rows (or a profile's header): GEMMs and the
+    flash-attention kernels from their tables where one was kept (else the curve's row),
+    element-wise kernels and collectives from their tables, and the framework overheads."""
+    from perfsim.cost.measured import FLASH_KERNELS
     from perfsim.spec.system import OPERATIONS
 
     out: dict = {}
@@ -59,9 +60,12 @@ def held_out(report: str) -> dict:
             continue
         words = text.split()
         if text.startswith("table "):
-            kind = "gemm" if words[1] == "gemm" else "collectives" if words[1] in OPERATIONS else "elementwise"
+            kind = ("gemm" if words[1] == "gemm" else "attention" if words[1] in FLASH_KERNELS
+                    else "collectives" if words[1] in OPERATIONS else "elementwise")
         elif text.startswith("gemm fp32"):
             kind = "gemm curve"
+        elif text.startswith("flash attention"):
+            kind = "attention curve " + words[2]
         elif text.startswith("framework overheads"):
             kind = "overheads"
         else:
@@ -70,6 +74,12 @@ def held_out(report: str) -> dict:
     if "gemm" not in out and "gemm curve" in out:
         out["gemm"] = out["gemm curve"]
     out.pop("gemm curve", None)
+    stripped = [line.lstrip("# ").strip() for line in report.splitlines()]
+    tabled = {text.split()[1] for text in stripped if text.startswith("table flash")}
+    for kernel in FLASH_KERNELS:  # a kernel without a table is priced by its curve
+        curve = out.pop(f"attention curve {kernel}", None)
+        if curve and kernel not in tabled:
+            out.setdefault("attention", []).extend(curve)
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
@@ -105,7 +115,7 @@ def run_setting(name: str, setting: dict, out: str, quick: bool, log) -> dict:
 
 def table(rows: list) -> str:
     head = ("| setting | environment | ranks x threads | calibrate + validate | held-out GEMM | held-out element-wise | "
-            "held-out collectives | overheads held-out | plans | step MAPE | step max | step signed | memory mean | memory max |")
+            "held-out attention | held-out collectives | overheads held-out | plans | step MAPE | step max | step signed | memory mean | memory max |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     for r in rows:
@@ -116,9 +126,9 @@ def table(rows: list) -> str:
         h = r["held_out"]
         lines.append(f"| {r['setting']} | {env} | {r['nproc']} x {r['env']['OMP_NUM_THREADS']} | "
                      f"{(r['calibrate_s'] + r['validate_s']) / 60:.1f} min | "
-                     f"{h.get('gemm', 0):.1f}% | {h.get('elementwise', 0):.1f}% | "
-                     f"{pct(h['collectives'] / 100) if 'collectives' in h else '-'} | "
-                     f"{pct(h['overheads'] / 100) if 'overheads' in h else '-'} | {r['plans']} | "
+                     + " | ".join(pct(h[k] / 100) if k in h else "-"
+                                  for k in ("gemm", "elementwise", "attention", "collectives", "overheads"))
+                     + f" | {r['plans']} | "
                      f"{pct(r['step_mape'])} | {pct(r['step_max'])} | {pct(r['step_mean_signed'])} | "
                      f"{pct(r['memory_mean'])} | {pct(r['memory_max'])} |")
     return "\n".join(lines)

@@ -161,7 +161,8 @@ def test_head_and_kernel_traffic_follow_perfsims_conventions():
 def test_the_cpu_ledger_keeps_its_keys_and_a_campaign_adds_only_the_new_kernels():
     """The repository's CPU ledger loads, the campaign that wrote it (gpt3-350m, tp 2, two ranks,
     fp32 and bf16) still names every compute point it measured by the same key, and what a resumed
-    campaign would measure is new kernels only, in bf16, with held-out sizes among them."""
+    campaign would measure is new kernels only (backward and loss kernels in bf16, the causal flash
+    kernel), with held-out sizes among them."""
     from profile_toml import HWPROFILES
 
     records, problems = cal.read_ledger(f"{HWPROFILES}/ledgers/calibration-cpu.jsonl")
@@ -176,7 +177,9 @@ def test_the_cpu_ledger_keeps_its_keys_and_a_campaign_adds_only_the_new_kernels(
     assert measured <= set(keys) | earlier
     assert {k for k, p in keys.items() if p.suite == "gemm"} <= measured  # the rotate-timed ones too
     new = [p for k, p in keys.items() if k not in measured and p.suite != "collective"]
-    assert all(p.op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS and p.dtype == "bf16" for p in new)
+    kernels_since = mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS  # in bf16, and the causal flash kernels in both dtypes
+    assert all(p.op in kernels_since and p.dtype == "bf16" or p.op in ("flash", "flash_backward") for p in new)
+    assert {p.op for p in new if p.suite == "attention"} == {"flash", "flash_backward"}
     kernels = [p for p in points if p.op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS]
     assert {p.op for p in kernels} == set(mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS)
     for op in mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS:

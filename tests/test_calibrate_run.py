@@ -212,3 +212,21 @@ def test_backend_not_available_exits_2(run_cli, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)
     r = run_cli("calibrate", "--device", "cpu", "--nproc", "2")
     assert r.code == 2 and "no gloo backend" in r.err
+
+
+def test_the_flash_kernels_time_the_causal_fused_attention_a_flash_step_runs():
+    """"flash" is the causal scaled_dot_product_attention of validate.gpt; "flash_backward" its
+    backward alone (the gradients of Q, K and V), equal to autograd's through the same kernel."""
+    from validate.device import Device
+
+    shape = mb._shape(batch=1, heads=2, seq=16, head_dim=8)
+    forward = mb.make_compute(torch, Device("cpu"), mb.Point("attention", "flash", "fp32", shape))()
+    assert forward.shape == (1, 2, 16, 8)
+    grads = mb.make_compute(torch, Device("cpu"), mb.Point("attention", "flash_backward", "fp32", shape))()
+    assert len(grads) == 3 and all(g.shape == (1, 2, 16, 8) for g in grads)
+    # causal: the first query sees only the first key, so its output is the first value exactly
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
+    assert {"flash", "flash_backward"} <= set(mb.ATTENTION_OPS)

@@ -261,3 +261,75 @@ def test_an_fp8_step_uses_the_bf16_tables_for_what_runs_in_bf16_and_none_for_its
     assert bf16_share < 0.1 and bf16_time < 0.5 * float(gemm_curve_time(fp8, peak, 1, 1024, 1024, 1024))
     fp8_time, fp8_share = gemm_time_and_share(fp8, 4 * peak, g)  # a weight GEMM at the fp8 peak: the curve
     assert fp8_share == 1.0 and fp8_time == pytest.approx(float(gemm_curve_time(fp8, 4 * peak, 1, 1024, 1024, 1024)))
+
+
+def _wavy(s):
+    """A speed no single efficiency describes: 0.5x to 2x the curve's time, smoothly in octaves of s."""
+    return float(np.exp(0.7 * np.sin(2.0 * np.log2(s))))
+
+
+def _flash_records(truth, seqs=(128, 256, 512, 1024, 2048), slowdown=lambda s: 1.0):
+    """Causal fused-attention records (ops "flash", "flash_backward") timed by `truth`'s flash model
+    times `slowdown(seq)`."""
+    from perfsim.cost.layer import flash_curve_times
+
+    records = []
+    for dtype in ("fp32", "bf16"):
+        peak = getattr(truth.device, f"peak_flops_{dtype}")
+        for s, heads in itertools.product(seqs, (8, 16)):
+            times = flash_curve_times(truth.device, peak, heads, s, s, 64)
+            for op, t in zip(measured.FLASH_KERNELS, times):
+                records.append({"schema": 1, "key": f"attention:{op}:{dtype}:{s}:{heads}", "suite": "attention",
+                                "op": op, "dtype": dtype, "device": {"kind": "cpu"},
+                                "shape": {"batch": 1, "heads": heads, "seq": s, "head_dim": 64},
+                                "stats": {"median_s": float(t) * slowdown(s)}})
+    return records
+
+
+def test_flash_efficiencies_are_fitted_from_the_fused_kernels_times():
+    base, truth = _truth()
+    truth = dataclasses.replace(truth, device=dataclasses.replace(truth.device, flash_forward_efficiency=0.3,
+                                                                  flash_backward_efficiency=0.12))
+    calibration = cal.fit(synthetic_records(truth) + _flash_records(truth), base, "synthetic.jsonl")
+    values = {k: v.value for k, v in calibration.values.items()}
+    # relative to the fitted fp32 peak (the truth's, within the GEMM fit's noise)
+    peak_ratio = calibration.system.device.peak_flops_fp32 / truth.device.peak_flops_fp32
+    assert values["device.flash_forward_efficiency"] * peak_ratio == pytest.approx(0.3, rel=0.05)
+    assert values["device.flash_backward_efficiency"] * peak_ratio == pytest.approx(0.12, rel=0.05)
+    rows = {q.name: q for q in calibration.quality}
+    assert rows["flash attention flash fp32"].fit_mape < 0.02
+    assert not any(r["op"].startswith("flash") for r in synthetic_records(truth) if r["suite"] == "attention")
+
+
+def test_a_flash_kernel_the_curve_cannot_describe_is_predicted_from_its_table(tmp_path):
+    """The kernel's speed swings 2x either way with the sequence length: one efficiency cannot say
+    so, the table does; the profile carries [device.measured.flash.fp32] and a flash step's
+    prediction uses it."""
+    from perfsim.cost.layer import flash_attention_times
+
+    base, truth = _truth()
+    seqs = (128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+    records = synthetic_records(truth) + _flash_records(truth, seqs, _wavy)
+    calibration = cal.fit(records, base, "synthetic.jsonl")
+    tables = {(t.kernel, t.dtype): t for t in calibration.tables}
+    assert ("flash", "fp32") in tables and ("flash_backward", "fp32") in tables
+    rows = {q.name: q for q in calibration.quality}
+    curve_alone = rows["flash attention flash fp32"]
+    table = rows["table flash fp32 (fit: leave-one-out)"]
+    assert table.held_points == curve_alone.held_points > 0
+    assert table.held_mape < curve_alone.held_mape / 2
+    path = tmp_path / "flash.toml"
+    path.write_text(cal.calibrated_profile(base.path, calibration, "synthetic.jsonl", "flash", "test"))
+    system = for_dtype(load_system(str(path)), "fp32")
+    dev = system.device
+    for s in (256, 2048):  # measured shapes: the measurement
+        forward, backward, forward_share, _ = flash_attention_times(dev, dev.peak_flops_fp32, Gemm("scores", 16, s, s, 64))
+        from perfsim.cost.layer import flash_curve_times
+
+        true_forward = flash_curve_times(truth.device, truth.device.peak_flops_fp32, 16, s, s, 64)[0] * _wavy(s)
+        assert float(forward) == pytest.approx(true_forward, rel=0.15)
+        assert forward_share < 0.5
+    flash = predict("layers=2,hidden=512,heads=8,seq=1024,vocab=1024", system, Plan(mbs=1, gbs=1, attention="flash"), "fp32")
+    bare = dataclasses.replace(system, device=dataclasses.replace(dev, measured=()))
+    curve_only = predict("layers=2,hidden=512,heads=8,seq=1024,vocab=1024", bare, Plan(mbs=1, gbs=1, attention="flash"), "fp32")
+    assert flash.compute_extrapolated_share < curve_only.compute_extrapolated_share == pytest.approx(1.0)

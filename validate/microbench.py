@@ -9,7 +9,9 @@ Four suites, each a list of `Point`s (what to measure) and a way to time one:
   fp32 cross-entropy of bf16 logits and its backward at vocabulary-like widths. Backward kernels
   and the cross-entropy run in the dtype a training step runs them in (bf16, when measured);
 - attention: the attention core, fused (scaled_dot_product_attention) and unfused (two batched
-  GEMMs around a softmax), at the plan's shape and a small sweep;
+  GEMMs around a softmax), at the plan's shape and a small sweep; and the causal fused kernel a
+  step with flash attention runs (validate.gpt), forward and backward, whose times become the
+  profile's flash efficiencies and measured tables;
 - collective: all-reduce, all-gather, reduce-scatter, broadcast, reduce and send/recv over message
   sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses;
 - tp_overhead: with 1d tensor parallelism in the plan, the host time DTensor's tensor-parallel
@@ -43,12 +45,14 @@ from perfsim.calibrate import SUITES
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, layer_memory_ops
+from perfsim.cost.measured import FLASH_KERNELS
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import BACKWARD
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")  # forward, full sweep
+ATTENTION_OPS = ("sdpa", "unfused") + FLASH_KERNELS  # the fused kernel (non-causal), perfsim's unfused core, causal flash
 BACKWARD_OPS = ("layernorm_backward", "softmax_backward", "gelu_backward")  # the smaller kernel sweep
 CROSS_ENTROPY_OPS = ("cross_entropy", "cross_entropy_backward")  # at Sweep.cross_entropy_shapes
 KERNEL_DTYPE = "bf16"  # what a training step runs backward kernels and the loss's input in
@@ -348,7 +352,7 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             heads = 8
             shapes += [((heads, s, 64), "sweep") for s in sweep.attention_seqs]
             for (bh, s, d), origin in shapes:
-                for op in ("sdpa", "unfused"):
+                for op in ATTENTION_OPS:
                     add(Point("attention", op, dtype, _shape(batch=1, heads=bh, seq=s, head_dim=d), origin=origin))
     if "collective" in suites and world > 1:
         # A training step sends bf16 (the dtype perfsim prices traffic in); gloo reduces bf16 in
@@ -514,6 +518,13 @@ def make_compute(torch, device, point: Point):
         q, k, v = (torch.randn(shape, dtype=dt, device=dev) for _ in range(3))
         if point.op == "sdpa":
             return lambda: F.scaled_dot_product_attention(q, k, v)
+        if point.op == "flash":  # the kernel a flash-attention step runs (validate.gpt)
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if point.op == "flash_backward":  # its backward alone: the graph is kept, each call reruns the backward kernel
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grad = torch.randn_like(out)
+            return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         q = q * (1.0 / math.sqrt(d["head_dim"]))  # scale folded into Q, as fused kernels do
 
         def unfused():  # perfsim's attention core: scores GEMM, softmax, context GEMM (no mask: full s x s)

@@ -1,4 +1,5 @@
-"""GEMMs: the efficiency model on the first measured dtype and a peak per other dtype; the attention check."""
+"""GEMMs: the efficiency model on the first measured dtype and a peak per other dtype; the causal
+fused (flash) attention kernel's efficiencies; the attention check."""
 
 from __future__ import annotations
 
@@ -84,6 +85,51 @@ def fit_gemms(records, system, kind, ledger):
         dev = system.device
     return values, quality, notes, system
 
+
+
+def _flash_shapes(records) -> list:
+    """(count, m, n, k) columns of attention records: batch x heads sequence-heads of s x s x d."""
+    s = [r["shape"] for r in records]
+    return [np.array([x["batch"] * x["heads"] for x in s], float), np.array([x["seq"] for x in s], float),
+            np.array([x["seq"] for x in s], float), np.array([x["head_dim"] for x in s], float)]
+
+
+def fit_flash(records, system, kind, ledger):
+    """device.flash_forward_efficiency and flash_backward_efficiency from the causal fused
+    attention kernel's measured times (validate.microbench, ops "flash", "flash_backward"): the
+    FLOPs it executes over its time less one launch, at the first measured dtype's peak; one
+    number per direction, the geometric mean over the fitted shapes (the measured tables carry how
+    it varies with shape). An efficiency above 1 (a peak fitted on GEMMs that the kernel beats)
+    is kept at 1, with a note: the tables then carry the difference."""
+    from perfsim.cost.layer import flash_curve_times
+    from perfsim.cost.measured import FLASH_KERNELS
+    from perfsim.predict import peak_flops
+
+    values, quality, notes = {}, [], []
+    flash = [r for r in records if r["suite"] == "attention" and r["op"] in FLASH_KERNELS and "error" not in r]
+    primary = next((d for d in PRIMARY_DTYPE.get(kind, PRIMARY_DTYPE["cuda"]) if any(r["dtype"] == d for r in flash)), None)
+    if primary is None:
+        return values, quality, notes, system
+    dev, peak = system.device, peak_flops(system, primary)
+    unit = dataclasses.replace(dev, flash_forward_efficiency=1.0, flash_backward_efficiency=1.0, kernel_overhead_s=0.0)
+    for direction, (op, key) in enumerate(zip(FLASH_KERNELS, ("flash_forward_efficiency", "flash_backward_efficiency"))):
+        fit, held = split_held_out([r for r in flash if r["dtype"] == primary], "attention", (op,))
+        if not fit:
+            continue
+        ideal = flash_curve_times(unit, peak, *_flash_shapes(fit))[direction]  # seconds at 100% of peak, no launch
+        busy = np.maximum(measured_times(fit) - dev.kernel_overhead_s, 0.1 * measured_times(fit))
+        eff = float(np.exp(np.mean(np.log(ideal / busy))))
+        if eff > 1.0:
+            notes.append(f"flash attention {op} {primary} ran at {eff:.2f} x the fitted peak_flops_{primary}: "
+                         f"{key} kept at 1, its measured table carries the rest")
+            eff = 1.0
+        system = with_fields(system, device={key: eff})
+        curve = lambda rows: flash_curve_times(system.device, peak, *_flash_shapes(rows))[direction]  # noqa: E731
+        quality.append(Quality(f"flash attention {op} {primary}", mape(curve(fit), measured_times(fit)), len(fit),
+                               mape(curve(held), measured_times(held)) if held else float("nan"), len(held)))
+        values[f"device.{key}"] = Fitted(eff, f"geometric mean over {len(fit)} {primary} causal scaled_dot_product_attention "
+                                              f"shapes of ledger {ledger}: executed FLOPs / (peak x (time - kernel_overhead_s))")
+    return values, quality, notes, system
 
 
 def check_attention(records, system):

@@ -13,7 +13,7 @@ from perfsim.ledger import read_ledger, skipped_lines, step_problem
 from perfsim.calibrate.collectives import fit_collectives
 from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, GEMM_TIMINGS, STATISTICS,
                                       TRAINING_DTYPE, statistic_key, with_values)
-from perfsim.calibrate.compute import check_attention, fit_gemms
+from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
 from perfsim.calibrate.memory import fit_memory
 from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
 from perfsim.calibrate.profile import calibrated_profile
@@ -68,6 +68,8 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
                              lambda t, rest: f"GEMMs fitted on their {t}-timed points (the ledger also has "
                              f"{', '.join(sorted(x or 'warm' for x in rest))}-timed ones)")
     v, q, n, system = fit_gemms(usable, system, kind, ledger_name)
+    values.update(v), quality.extend(q), notes.extend(n)
+    v, q, n, system = fit_flash(usable, system, kind, ledger_name)
     values.update(v), quality.extend(q), notes.extend(n)
     # fit the collectives measured most like a step issues them (validate.microbench.Point.timing),
     # in the dtype whose bytes perfsim prices a step's traffic in

@@ -17,14 +17,14 @@ import functools
 from dataclasses import dataclass
 
 # suite -> the profile numbers its fit sets, by key prefix (perfsim/calibrate/*); a named cause of a
-# number ("<key>.causes.<name>") belongs to the number's suite. attention measures the attention
-# core's own tables and checks its formula; it fits no ranged number.
+# number ("<key>.causes.<name>") belongs to the number's suite. attention fits the fused (flash)
+# kernel's efficiencies and tables, and checks the unfused core's formula.
 SUITE_NUMBERS = {
     "collective": ("node.", "network.", "collectives."),
     "gemm": ("device.peak_flops_", "device.gemm_"),
     "memory": ("device.memory_bandwidth_Bps", "device.memory_efficiency", "device.kernel_overhead_s",
                "device.operation_memory_efficiency."),
-    "attention": (),
+    "attention": ("device.flash_forward_efficiency", "device.flash_backward_efficiency"),
     "tp_overhead": ("framework.tp_layer_overhead_s", "framework.sp_layer_overhead_s"),
     "overheads": ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s"),
 }
@@ -47,9 +47,7 @@ class SuitePriority:
     lead: str  # its number with the largest shares, or ""
 
     def comment(self) -> str:
-        why = f" (most: {self.lead})" if self.lead else ""
-        if not SUITE_NUMBERS.get(self.suite, True):
-            why = " (it fits no ranged number: it measures the attention core's own tables)"
+        why = f" (most: {self.lead})" if self.lead else " (no number it fits moves this case)"
         return (f"{self.suite}: settles {self.decides:.0%} of the doubt about the plan, "
                 f"{self.moves:.0%} of the step time's variance{why}")
 

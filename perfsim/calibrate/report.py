@@ -22,8 +22,8 @@ def format_report(calibration: Calibration, base) -> str:
         old = profile_value(base, key)
         if isinstance(fitted.value, str):
             lines.append(f"  {key:<48} {fitted.value:<12} (base {old})")
-        else:
-            lines.append(f"  {key:<48} {fitted.value:<12.4g} (base {old:.4g})")
+        else:  # an optional number the base profile does not state reads None
+            lines.append(f"  {key:<48} {fitted.value:<12.4g} (base {'not stated' if old is None else f'{old:.4g}'})")
     lines.append("fit quality, mean absolute percentage error:")
     lines += [f"  {format_quality_row(q)}" for q in calibration.quality]
     if calibration.notes:

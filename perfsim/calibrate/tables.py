@@ -1,4 +1,4 @@
-"""Measured kernel tables: every GEMM, element-wise kernel and collective the ledger timed, kept in the profile
+"""Measured kernel tables: every GEMM, flash-attention kernel, element-wise kernel and collective the ledger timed, kept in the profile
 (perfsim.cost.measured) so that predictions interpolate the measurements and use the fitted curves
 only where nothing near was measured.
 
@@ -42,6 +42,19 @@ def _memory_curve(system, name: str):
     return curve
 
 
+def _flash_curve(system, dtype: str, kernel: str):
+    """seconds(count, m, n, k) of the fitted flash-attention model, forward or backward, in `dtype`."""
+    from perfsim.cost.layer import flash_curve_times
+    from perfsim.predict import peak_flops
+
+    try:
+        peak = peak_flops(system, dtype)
+    except PerfsimError:
+        return None
+    direction = measured.FLASH_KERNELS.index(kernel)
+    return lambda count, m, n, k: flash_curve_times(system.device, peak, count, m, n, k)[direction]  # noqa: E731
+
+
 def _collective_curve(system, op: str):
     """seconds(size, stride, bytes) of the fitted link model (and step overheads) for `op`."""
     from perfsim.cost.topology import TopologyCommModel, clear_caches
@@ -81,8 +94,8 @@ def _collective_times(records: list) -> np.ndarray:
 
 
 def measured_tables(records: list, system, ledger: str, expected: bool = True) -> tuple:
-    """(device tables, collective tables, quality rows, notes) from the ledger's GEMM, element-wise
-    and collective records, against the calibrated `system`'s curves. Leave-one-out MAPE is the
+    """(device tables, collective tables, quality rows, notes) from the ledger's GEMM, flash-attention,
+    element-wise and collective records, against the calibrated `system`'s curves. Leave-one-out MAPE is the
     rows' "fit" figure. `expected`: collectives are tabled at each point's mean (what a step pays),
     else at the statistic the fit used."""
     from perfsim.spec.system import MEMORY_OPERATIONS, OPERATIONS
@@ -93,8 +106,15 @@ def measured_tables(records: list, system, ledger: str, expected: bool = True) -
     gemm_columns = lambda r: [r["shape"].get("count", 1), r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]]  # noqa: E731
     memory_columns = lambda r: [r["nbytes"]]  # noqa: E731
     group_columns = lambda r: [r["group"][0], max(1, r["group"][1]), r["shape"]["nbytes"]]  # noqa: E731
-    kernels = ([(measured.GEMM, "gemm", gemm_columns)] + [(name, "memory", memory_columns) for name in MEMORY_OPERATIONS]
+    flash_columns = lambda r: [r["shape"]["batch"] * r["shape"]["heads"], r["shape"]["seq"], r["shape"]["seq"],  # noqa: E731
+                               r["shape"]["head_dim"]]
+    kernels = ([(measured.GEMM, "gemm", gemm_columns)] + [(name, "attention", flash_columns) for name in measured.FLASH_KERNELS]
+               + [(name, "memory", memory_columns) for name in MEMORY_OPERATIONS]
                + [(op, "collective", group_columns) for op in OPERATIONS])
+    curves = {"gemm": lambda kernel, dtype: _gemm_curve(system, dtype),  # each suite's fitted model
+              "attention": lambda kernel, dtype: _flash_curve(system, dtype, kernel),
+              "memory": lambda kernel, dtype: _memory_curve(system, kernel),
+              "collective": lambda kernel, dtype: _collective_curve(system, kernel)}
     for kernel, suite, columns in kernels:
         ops = None if suite == "gemm" else (kernel,)
         fit_all, held_all = split_held_out(records, suite, ops)
@@ -104,8 +124,7 @@ def measured_tables(records: list, system, ledger: str, expected: bool = True) -
         for dtype in sorted({r["dtype"] for r in fit_all}):
             fit = [r for r in fit_all if r["dtype"] == dtype]
             held = [r for r in held_all if r["dtype"] == dtype]
-            curve = (_gemm_curve(system, dtype) if suite == "gemm" else _memory_curve(system, kernel)
-                     if suite == "memory" else _collective_curve(system, kernel))
+            curve = curves[suite](kernel, dtype)
             if curve is None or len(fit) < 2:
                 continue
             table, points, at_points = _table(kernel, dtype, fit, columns, curve, times)
@@ -132,7 +151,7 @@ def table_toml(table, ledger: str) -> dict:
     """One table as the profile's [device.measured.<kernel>.<dtype>] (or [collectives.measured...])
     holds it."""
     columns = (measured.COLLECTIVE_COLUMNS if len(table.points[0]) == len(measured.COLLECTIVE_COLUMNS)
-               else measured.GEMM_COLUMNS if table.kernel == measured.GEMM else measured.MEMORY_COLUMNS)
+               else measured.GEMM_COLUMNS if table.kernel in measured.SHAPE_KERNELS else measured.MEMORY_COLUMNS)
     return {"provenance": "measured",
             "source": f"{len(table.points)} points of ledger {ledger} (held-out points left out; width chosen by "
                       f"leave-one-out)",

@@ -211,18 +211,36 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16) -> 
 CORE_MEMORY_OPS = ("softmax", "attn_dropout")
 
 
-def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tuple:
-    """(forward, backward) seconds of the attention core as one fused causal kernel, for the
-    products of the `scores` GEMM's shape (c sequence-heads of s x s x d) and the matching context
-    product: the FLOPs the kernel executes (CAUSAL_WORK of the full square; FLASH_BACKWARD x as
-    many backward) at the profile's flash efficiencies, or, where it names none, at the GEMM
-    model's efficiency for the scores shape; one kernel launch each way."""
-    executed = CAUSAL_WORK * 2 * 2.0 * scores.count * scores.m * scores.n * scores.k
-    shape = gemm_efficiency(device, scores.m, scores.n, scores.k)
-    forward_eff = device.flash_forward_efficiency or shape
+def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tuple:
+    """(forward, backward) seconds of the fused causal attention kernel for `count` sequence-heads
+    of scores s x s x d (m = n = s, k = d) and the matching context product: the FLOPs the kernel
+    executes (CAUSAL_WORK of the full square; FLASH_BACKWARD x as many backward) at the profile's
+    flash efficiencies, or, where it names none, at the GEMM model's efficiency for the scores
+    shape; one kernel launch each way."""
+    executed = CAUSAL_WORK * 2 * 2.0 * count * m * n * k
+    forward_eff = device.flash_forward_efficiency or gemm_efficiency(device, m, n, k)
     backward_eff = device.flash_backward_efficiency or forward_eff
     return (executed / (peak_flops * forward_eff) + device.kernel_overhead_s,
             FLASH_BACKWARD * executed / (peak_flops * backward_eff) + device.kernel_overhead_s)
+
+
+def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tuple:
+    """(forward, backward, forward's share on the curve, backward's) of the attention core as one
+    fused causal kernel for the `scores` GEMM's shape: flash_curve_times, corrected by the
+    profile's measured flash kernels of the prediction's dtype near that shape (share 1 without)."""
+    shape = [scores.count, scores.m, scores.n, scores.k]
+    curves = flash_curve_times(device, peak_flops, *shape)
+    out = []
+    for kernel, curve in zip(measured.FLASH_KERNELS, curves):
+        table = measured.find_table(device.measured, kernel, device.kernel_dtype)
+        if table is None or peak_flops != getattr(device, f"peak_flops_{table.dtype}", None):
+            out.append((curve, 1.0))
+            continue
+        at_points = flash_curve_times(device, peak_flops, *table.coordinates_linear())[len(out)]
+        factor, share = measured.correction(table, shape, at_points)
+        out.append((curve * factor, share))
+    (forward, forward_share), (backward, backward_share) = out
+    return forward, backward, forward_share, backward_share
 
 
 # FP8 training (--dtype fp8, Transformer Engine's recipe; docs/equations.md 3.11): a layer's weight
@@ -273,12 +291,12 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
         total.curve_s = total.curve_s + share * (1 + GEMM_BACKWARD) * time
         if g.name == ATTENTION_CORE[0]:
-            forward, backward = flash_attention_times(device, peak_flops, g)
+            forward, backward, forward_share, backward_share = flash_attention_times(device, peak_flops, g)
             total.time_s = total.time_s + flash * forward
             total.core_time_s = total.core_time_s + flash * forward
             total.backward_s = total.backward_s + flash * backward
             total.core_backward_s = total.core_backward_s + flash * backward
-            total.curve_s = total.curve_s + flash * (forward + backward)  # no table of fused kernels yet
+            total.curve_s = total.curve_s + flash * (forward_share * forward + backward_share * backward)
     if fp8:
         forward, backward = fp8_cast_times(device, gemms)
         total.time_s, total.backward_s = total.time_s + forward, total.backward_s + backward

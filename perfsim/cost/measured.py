@@ -1,7 +1,8 @@
 """Measured kernel tables: what calibration timed, interpolated in log space (docs/equations.md 3.10).
 
-A calibrated profile carries the kernels it measured ([device.measured.<kernel>.<dtype>]): GEMMs by
-(count, m, n, k), each element-wise kernel forward and backward by bytes; and its collectives
+A calibrated profile carries the kernels it measured ([device.measured.<kernel>.<dtype>]): GEMMs and
+the causal fused attention kernel (forward, backward) by (count, m, n, k), each element-wise kernel
+forward and backward by bytes; and its collectives
 ([collectives.measured.<op>.<dtype>]) by group size, stride and bytes. A prediction keeps the
 parametric curve (the GEMM efficiency model, the streaming model) and corrects it by the measured
 points near the shape asked for: the log ratio measured / curve of every point, averaged with
@@ -23,6 +24,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 GEMM = "gemm"
+# The causal fused (flash) attention kernel, forward and backward, tabled like a GEMM by the
+# shape of its scores product (count = batch x heads, m = n = sequence, k = head dim).
+FLASH_KERNELS = ("flash", "flash_backward")
+SHAPE_KERNELS = (GEMM,) + FLASH_KERNELS  # tabled by GEMM_COLUMNS; element-wise kernels by bytes
 GEMM_COLUMNS = ("count", "m", "n", "k", "seconds")
 MEMORY_COLUMNS = ("bytes", "seconds")
 COLLECTIVE_COLUMNS = ("size", "stride", "bytes", "seconds")
@@ -35,7 +40,7 @@ class KernelTable:
     """Measured times of one kernel in one dtype: `points` is ((coordinate, ..., seconds), ...) in
     the order of GEMM_COLUMNS or MEMORY_COLUMNS; `width` the Gaussian width in octaves."""
 
-    kernel: str  # GEMM, or an element-wise kernel name (perfsim.spec.system.MEMORY_OPERATIONS)
+    kernel: str  # GEMM, a FLASH_KERNELS name, or an element-wise kernel (perfsim.spec.system.MEMORY_OPERATIONS)
     dtype: str
     points: tuple
     width: float = 0.5

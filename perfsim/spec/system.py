@@ -235,8 +235,8 @@ TABLE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 MOST_TABLE_POINTS = 100_000  # a table is interpolated point by point: more is a mistake, not a measurement
 
 
-# what [<section>.measured.<kernel>.<dtype>] tables a section may hold: kernel names (None: GEMM and
-# the element-wise kernels, spelt out in _measured_tables to keep this module free of cost imports)
+# what [<section>.measured.<kernel>.<dtype>] tables a section may hold: kernel names (None: GEMM, flash
+# attention and the element-wise kernels, spelt out in _measured_tables to keep this module free of cost imports)
 _MEASURED_KERNELS = {"device": None, "collectives": OPERATIONS}
 
 
@@ -244,9 +244,9 @@ def _measured_tables(where: str, raw, section: str = "device") -> tuple:
     """[<section>.measured.<kernel>.<dtype>] tables as KernelTables (perfsim.cost.measured), in
     file order; every problem names the table. Device tables hold GEMMs and element-wise kernels,
     collectives tables the operations (by group size, stride and bytes)."""
-    from perfsim.cost.measured import COLLECTIVE_COLUMNS, GEMM, GEMM_COLUMNS, MEMORY_COLUMNS, KernelTable
+    from perfsim.cost.measured import COLLECTIVE_COLUMNS, GEMM_COLUMNS, MEMORY_COLUMNS, SHAPE_KERNELS, KernelTable
 
-    kernels = _MEASURED_KERNELS[section] or (GEMM,) + MEMORY_OPERATIONS
+    kernels = _MEASURED_KERNELS[section] or SHAPE_KERNELS + MEMORY_OPERATIONS
     if not isinstance(raw, dict):
         raise PerfsimError(f"{where}: {section}.measured must hold tables [{section}.measured.<kernel>.<dtype>]")
     tables = []
@@ -272,7 +272,7 @@ def _measured_tables(where: str, raw, section: str = "device") -> tuple:
                 raise PerfsimError(f"{where}: {key}.source must say where the measurements come from")
             width = _number(where, f"{key}.width_octaves",
                             {"value": table["width_octaves"], "provenance": "measured", "source": "-"}, _POSITIVE)
-            columns = list(COLLECTIVE_COLUMNS if section == "collectives" else GEMM_COLUMNS if kernel == GEMM
+            columns = list(COLLECTIVE_COLUMNS if section == "collectives" else GEMM_COLUMNS if kernel in SHAPE_KERNELS
                            else MEMORY_COLUMNS)
             if table["columns"] != columns:
                 raise PerfsimError(f"{where}: {key}.columns must be {columns}, got {table['columns']!r}")
