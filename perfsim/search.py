@@ -291,6 +291,26 @@ def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str
     return reasons
 
 
+def classified(model: ModelSpec, devices: int, gbs: int, fixes: dict, rejected: dict) -> tuple[int, list]:
+    """The whole space as (candidates, counting each rank order a row stands for; [(mode, columns,
+    order_rows, invalid mask)]), each rejection reason's count added to `rejected`: what the search
+    and the robust search (perfsim.uncertainty.robust) evaluate, through valid_batches."""
+    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
+    groups = [(mode, cols, order_rows(cols, orders)) for mode, cols in candidates(model, devices, gbs, fixes)]
+    space = sum(int(mask.sum()) for _, _, rows in groups for mask in rows.values())
+    out = []
+    for mode, cols, rows in groups:
+        times = sum(mask.astype(int) for mask in rows.values())  # the rank orders each row stands for
+        invalid = np.zeros(len(cols["tp"]), dtype=bool)
+        for reason, mask in rejection_reasons(model, mode, cols):
+            new = mask & ~invalid
+            if new.any():
+                rejected[reason] = rejected.get(reason, 0) + int(times[new].sum())
+            invalid |= mask
+        out.append((mode, cols, rows, invalid))
+    return space, out
+
+
 @dataclass
 class SearchResult:
     evaluated: int
@@ -374,17 +394,8 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     rejected: dict = {}
     evaluated = feasible = 0
     kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
-    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
-    groups = [(mode, cols, order_rows(cols, orders)) for mode, cols in candidates(model, devices, gbs, fixes)]
-    space = sum(int(mask.sum()) for _, _, rows in groups for mask in rows.values())
-    for mode, cols, rows in groups:
-        times = sum(mask.astype(int) for mask in rows.values())  # the rank orders each row stands for
-        invalid = np.zeros(len(cols["tp"]), dtype=bool)
-        for reason, mask in rejection_reasons(model, mode, cols):
-            new = mask & ~invalid
-            if new.any():
-                rejected[reason] = rejected.get(reason, 0) + int(times[new].sum())
-            invalid |= mask
+    space, groups = classified(model, devices, gbs, fixes, rejected)
+    for mode, cols, rows, invalid in groups:
         for order, sub in valid_batches(cols, rows, invalid):
             r = evaluate(model, system, to_columns(mode, order, sub), dtype)
             evaluated += len(sub["tp"])

@@ -34,8 +34,9 @@ def register(sub) -> None:
     out.add_argument("--csv", action="store_true", help="the top plans as CSV")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--robust", action="store_true",
-                   help="rank the point search's best plans again over draws of the profile's ranges (its posterior "
-                        "where it names observations): P(best) and P(within 5%%) per plan (docs/validation.md)")
+                   help="rank every plan of the space over draws of the profile's ranges (its posterior where it "
+                        "names observations): P(best) and P(within 5%%) per plan; a bound spares pricing the plans "
+                        "that are never within 5%% of the best (docs/validation.md)")
     p.add_argument("--samples", type=whole_number(16, 4096), help="draws for --robust (default 256)")
     p.set_defaults(run=run)
 
@@ -66,20 +67,21 @@ def run(args) -> None:
         raise PerfsimError("--samples counts the draws of --robust; give --robust too")
     if args.robust and args.rank != "throughput":
         raise PerfsimError("--robust ranks by step time over the draws; leave out --rank")
-    from perfsim.uncertainty.robust import CANDIDATES
-
     dtypes = precisions(system, args.dtype)
     if args.robust and len(dtypes) > 1:
         raise PerfsimError("--robust ranks plans of one training precision; give one --dtype")
     args.dtype = dtypes[0] if len(dtypes) == 1 else ",".join(dtypes)
-    result = search_precisions(model, system, devices, args.gbs, dtypes, parse_fixes(args.fix),
-                               top=max(args.top, CANDIDATES) if args.robust else args.top, rank=args.rank,
-                               progress=None if args.quiet else stderr_progress)
+    progress = None if args.quiet else stderr_progress
     if args.robust:
-        from perfsim.uncertainty.robust import print_robust
+        from perfsim.uncertainty.robust import ROBUST_SAMPLES, print_robust, robust_search
 
-        print_robust(result, model, system, devices, args)
-    elif args.json:
+        found = robust_search(model, system, devices, args.gbs, parse_fixes(args.fix), args.samples or ROBUST_SAMPLES,
+                              args.dtype, top=args.top, progress=progress)
+        print_robust(found, model, system, devices, args)
+        return
+    result = search_precisions(model, system, devices, args.gbs, dtypes, parse_fixes(args.fix), top=args.top,
+                               rank=args.rank, progress=progress)
+    if args.json:
         print(json.dumps({"evaluated": result.evaluated, "feasible": result.feasible, "candidates": result.candidates,
                           "seconds": result.seconds, "rejected": result.rejected,
                           "plans": [p.as_json() for p in result.plans],

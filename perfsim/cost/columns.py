@@ -7,7 +7,7 @@ Strings that change the formulas themselves (tp_mode, order) are fixed per batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -44,6 +44,9 @@ class Columns:
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
     tp_axes: str = "auto"
+    # Strides of tp, cp, dp and pp per row, for a batch whose rows come from several rank orders
+    # (`stacked`); None: every row's from `order`.
+    order_strides: dict | None = None
 
     @property
     def microbatches(self):
@@ -59,7 +62,8 @@ class Columns:
     @cached_property
     def strides(self) -> dict:
         """Stride in rank space of tp, cp, dp and pp, and of the joint dp-cp group ("dp_cp")."""
-        strides = group_strides(ranks_order(self.order), {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp})
+        strides = dict(self.order_strides) if self.order_strides is not None else \
+            group_strides(ranks_order(self.order), {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp})
         strides["dp_cp"] = joint_stride(self.cp, strides["cp"], self.dp, strides["dp"])
         return strides
 
@@ -120,3 +124,24 @@ def stage_layer_count(model, c: Columns, stage: str):
     if model.layers not in counts:
         counts[model.layers] = stage_layers(model.layers, c.pp, c.first_layers, c.last_layers)
     return counts[model.layers][STAGES.index(stage)]
+
+
+def _array_fields(c: Columns) -> list[str]:
+    return [f.name for f in fields(Columns) if isinstance(getattr(c, f.name), np.ndarray)]
+
+
+def stacked(parts: list[Columns]) -> Columns:
+    """Batches of one tensor-parallel mode and grid axes but any rank orders, as one batch whose
+    rows keep their own order's strides (the order reaches the cost code only through them): the
+    robust search prices every order of a mode in one call. Every field that varies must be an array."""
+    names = _array_fields(parts[0])
+    return replace(parts[0], **{name: np.concatenate([getattr(p, name) for p in parts]) for name in names},
+                   order_strides={dim: np.concatenate([np.broadcast_to(p.strides[dim], np.shape(p.tp)) for p in parts])
+                                  for dim in ("tp", "cp", "dp", "pp")})
+
+
+def rows_of(c: Columns, index) -> Columns:
+    """The rows `index` of a batch (repeated rows allowed), their strides with them."""
+    return replace(c, **{name: getattr(c, name)[index] for name in _array_fields(c)},
+                   order_strides={dim: np.broadcast_to(c.strides[dim], np.shape(c.tp))[index]
+                                  for dim in ("tp", "cp", "dp", "pp")})

@@ -13,6 +13,7 @@ closed form with the device and framework numbers of its draws as arrays, so a p
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,14 +46,39 @@ class Draws:
                                    factors={k: v[rows] for k, v in self.factors.items()})
 
 
+def cache_folder() -> str:
+    """Where draws' designs and conditioning are remembered: $PERFSIM_CACHE_DIR, else ~/.cache/perfsim."""
+    return os.environ.get("PERFSIM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "perfsim")
+
+
 def _unit(dimensions: int, n: int, seed: int) -> np.ndarray:
-    """n points of a scrambled Sobol design in [0, 1)^dimensions (the first n of the next power of two)."""
+    """n points of a scrambled Sobol design in [0, 1)^dimensions (the first n of the next power of two).
+    The design is remembered on disk (cache_folder, by dimensions, size, seed and scipy version):
+    importing scipy.stats costs about two seconds, more than the rest of `predict --uncertainty`,
+    so only a first run pays it. A cache that cannot be read or written is recomputed, never an error."""
     if dimensions == 0:
         return np.zeros((n, 0))
     m = max(int(np.ceil(np.log2(max(n, 2)))), 1)
-    from scipy.stats import qmc  # lazy: scipy.stats takes about a second to import, every predict would pay it
+    import scipy
 
-    return qmc.Sobol(dimensions, scramble=True, seed=seed).random_base2(m)[:n]
+    path = os.path.join(cache_folder(), f"sobol-{dimensions}d-2^{m}-seed{seed}-scipy{scipy.__version__}.npy")
+    try:
+        design = np.load(path)
+        if design.shape == (2 ** m, dimensions):
+            return design[:n]
+    except (OSError, ValueError):
+        pass
+    from scipy.stats import qmc  # lazy: scipy.stats takes about two seconds to import
+
+    design = qmc.Sobol(dimensions, scramble=True, seed=seed).random_base2(m)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.npy"
+        np.save(temporary, design)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+    return design[:n]
 
 
 def _scaled(u: np.ndarray, lo: float, hi: float, distribution: str) -> np.ndarray:
