@@ -275,6 +275,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="also P10/P50/P90 over draws of the profile's ranges, conditioned on its observations "
                         "(docs/profile-format.md, Ranges)")
     p.add_argument("--samples", type=whole_number(16, 65536), help="draws for --uncertainty (default 512)")
+    p.add_argument("--observe", action="append", metavar="LEDGER",
+                   help="with --uncertainty: condition on a calibration ledger measured on this machine too (its "
+                        "GEMMs and collectives as observations, docs/validation.md); repeatable")
     p.set_defaults(run=cmd_predict)
     prof = sub.add_parser("profiles", help="list system profiles and model presets")
     prof.add_argument("--json", action="store_true")

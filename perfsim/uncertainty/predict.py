@@ -18,10 +18,10 @@ def percentiles(values) -> dict:
 
 
 def predict_uncertainty(model, system, plan, samples: int = DEFAULT_SAMPLES, dtype: str = "bf16",
-                        seed: int = 0) -> tuple[dict, str]:
+                        seed: int = 0, observe: tuple = ()) -> tuple[dict, str]:
     """(the `uncertainty` object of predict --json, a note on what the observations could not
-    explain or '')."""
-    draws, posterior = profile_draws(system, samples, seed)
+    explain or ''); `observe`: calibration ledgers to condition on as well."""
+    draws, posterior = profile_draws(system, samples, seed, observe)
     return plan_spread(model, draws, plan, dtype), posterior.unexplained_text() if posterior is not None else ""
 
 
@@ -35,12 +35,15 @@ def plan_spread(model, draws, plan, dtype: str = "bf16") -> dict:
             "time_breakdown_s": {part: percentiles(v) for part, v in r["time_breakdown_s"].items()}}
 
 
-def uncertainty_lines(summary: dict, conditioned: bool) -> str:
-    """The text predict prints below its table."""
+def uncertainty_lines(summary: dict, conditioned: bool, ledgers: tuple = ()) -> str:
+    """The text predict prints below its table (`ledgers`: those --observe conditioned on too)."""
     def span(q, fmt):
         return f"{fmt(q['p10'])} .. {fmt(q['p50'])} .. {fmt(q['p90'])}"
 
     what = "posterior conditioned on the profile's observations" if conditioned else "the profile's ranges"
+    if ledgers:
+        what = ("posterior conditioned on the profile's observations and " if conditioned else
+                "posterior conditioned on ") + "the measurements of " + ", ".join(ledgers)
     lines = [f"uncertainty (P10 .. P50 .. P90 over {summary['samples']} draws of {what})",
              f"  step time    {span(summary['step_time_s'], lambda v: f'{v:.3g} s')}",
              f"  throughput   {span(summary['tokens_per_s'], lambda v: f'{v:,.0f}')} tokens/s",
@@ -59,12 +62,14 @@ def uncertainty_of_args(args, model, system, plan):
     from perfsim.errors import PerfsimError
 
     if not args.uncertainty:
-        if args.samples is not None:
-            raise PerfsimError("--samples counts the draws of --uncertainty; give --uncertainty too")
+        if args.samples is not None or args.observe:
+            raise PerfsimError("--samples and --observe shape the draws of --uncertainty; give --uncertainty too")
         return None
     if args.engine != "analytic":
         raise PerfsimError("--uncertainty prices its draws with the closed form; leave out --engine sim")
-    summary, note = predict_uncertainty(model, system, plan, args.samples or DEFAULT_SAMPLES, args.dtype)
+    observe = tuple(args.observe or ())
+    summary, note = predict_uncertainty(model, system, plan, args.samples or DEFAULT_SAMPLES, args.dtype,
+                                        observe=observe)
     if note:
         print(f"perfsim: note: {note}", file=sys.stderr)
-    return summary, uncertainty_lines(summary, bool(system.observations))
+    return summary, uncertainty_lines(summary, bool(system.observations), observe)
