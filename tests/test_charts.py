@@ -345,6 +345,10 @@ def test_validation_command_and_report(tmp_path, capsys):
     (["chart", "heatmap", "--fix", "tp=banana", "--out", "x.html"], "whole numbers"),
     (["report", "--model", MODEL, "--nodes", "2", "--tp", "3", "--out", "x.html"], "not a multiple"),
     (["chart", "memory"], "required: --out"),
+    (["chart", "scaling", "--samples", "64", "--out", "x.html"], "give --uncertainty too"),
+    (["report", "--no-uncertainty", "--samples", "64", "--out", "x.html"], "leave out --no-uncertainty"),
+    (["chart", "breakdown", "--uncertainty", "--samples", "8", "--out", "x.html"], "--samples"),
+    (["scale", "--weak", "--samples", "64"], "give --uncertainty too"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ import math
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import GIB, case_line, plan_label, style, title
+from perfsim.charts._common import GIB, TERM_LABELS, case_line, plan_label, style, title
 from perfsim.spec.plan import canonical
 
 
@@ -30,17 +30,17 @@ def seconds(v: float) -> str:
     return f"{v:.4g} s"
 
 
-def ranked_plans(model, system, plans: list, samples: int, dtype: str = "bf16") -> tuple:
-    """robust_ranking of `plans` (Plans, the first of equal ones kept): (RobustPlans, note)."""
-    from perfsim.predict import predict
+def ranked_plans(model, system, predictions: list, samples: int, dtype: str = "bf16") -> tuple:
+    """perfsim.uncertainty.robust.robust_ranking of `predictions` (point Predictions; of plans equal
+    up to choices that change nothing, the first kept): (RobustPlans, note)."""
     from perfsim.uncertainty.robust import robust_ranking
 
     unique, seen = [], set()
-    for p in plans:
-        if canonical(p) not in seen:
-            seen.add(canonical(p))
+    for p in predictions:
+        if canonical(p.plan) not in seen:
+            seen.add(canonical(p.plan))
             unique.append(p)
-    return robust_ranking(model, system, [predict(model, system, p, dtype) for p in unique], samples, dtype)
+    return robust_ranking(model, system, unique, samples, dtype)
 
 
 _DRAWN: dict = {}  # (id(system), samples) -> (system, profile_draws' answer): a report's charts share them
@@ -89,12 +89,15 @@ def observation_lines(system, posterior) -> list:
     whether the ranges can explain it with the others; [] without a posterior."""
     if posterior is None:
         return []
+    from perfsim.uncertainty.posterior import EXPLAINED
+
     unexplained = {obs.name for obs, _ in posterior.unexplained}
     lines = []
     for obs in posterior.observations:
         q = posterior.predicted_percentiles(obs)
         verdict = ("cannot be explained together with the others (left out of the conditioning)"
-                   if obs.name in unexplained else "explained")
+                   if obs.name in unexplained else f"explained (some draws come within {EXPLAINED:g} tolerances of it "
+                                                   "and of the others)")
         lines.append(f"Observation '{obs.name}': {obs.quantity} = {obs.value:g} +- {obs.tolerance:g} "
                      f"({obs.model.name}, {obs.devices} devices); the posterior gives P10 {q[0]:.3g} .. P50 {q[1]:.3g} "
                      f".. P90 {q[2]:.3g}: {verdict}.")
@@ -132,11 +135,12 @@ def figure(model, system, ranked: list, samples: int, show: int = 10, yours=None
     low = min((v["p10"] for v in q if math.isfinite(v["p10"])), default=ends[0])
     fig.update_xaxes(title_text="time per training step (s) over the draws",
                      range=[0.9 * min(low, min(rp.prediction.step_time_s for _, rp in rows)), 1.3 * max(ends)])
-    fig.update_yaxes(autorange="reversed", automargin=True, title_text="plan, ranked by median step time")
+    fig.update_yaxes(autorange="reversed", automargin=True, title_text="plan, ranked over the draws")
     subtitle = (f"{case_line(model, system, ranked[0].prediction.devices, ranked[0].prediction.plan.gbs)}. "
-                f"{len(ranked)} plans priced under the same {samples} draws of {drawn_from(system)}, ranked by their "
-                "median step time; P(best): the share of draws in which a plan is the fastest that fits, P(within 5%): "
-                "the share in which it is within 5% of that draw's fastest (perfsim search --robust).")
+                f"{len(ranked)} plans priced under the same {samples} draws of {drawn_from(system)} and ranked as "
+                "perfsim search --robust ranks plans (perfsim.uncertainty.robust); P(best): the share of draws in which "
+                "a plan is the fastest that fits, P(within 5%): the share in which it is within 5% of that draw's "
+                "fastest.")
     fig.update_layout(title=title("Which plan is best, and how sure is that?", subtitle, 150),
                       legend={"orientation": "h", "x": 0, "y": -0.25})
     style(fig, height=max(420, 60 * len(rows) + 260))
@@ -153,11 +157,11 @@ def section_notes(system, plan, spread: dict, posterior, ranked: list, among: st
              f"step time {span(spread['step_time_s'], seconds)}; throughput "
              f"{span(spread['tokens_per_s'], lambda v: f'{v:,.0f}')} tokens/s; peak memory "
              f"{span(spread['memory_total_bytes'], lambda v: f'{v / GIB:.1f} GiB')}."]
-    parts = [f"{part} {span(q, seconds)}" for part, q in spread["time_breakdown_s"].items() if q["p90"] > 0]
+    parts = [f"{TERM_LABELS[part]} {span(q, seconds)}" for part, q in spread["time_breakdown_s"].items() if q["p90"] > 0]
     lines.append("By cause (exposed seconds): " + "; ".join(parts) + ".")
     lines += observation_lines(system, posterior)
     if note:
         lines.append(note)
-    lines.append(f"Over {robust_samples} draws (as perfsim search --robust), your plan is "
+    lines.append(f"Over {robust_samples} draws (as perfsim search --robust takes them), your plan is "
                  f"{odds_text(yours, among)}. {verdict}")
     return lines

@@ -227,7 +227,10 @@ def _how_sure(model, system, w: WhatIf, one, dtype: str, samples: int | None, ro
         lines.append(f"over {spread['samples']} draws of {robustness.drawn_from(system)}: step "
                      f"{robustness.span(spread['step_time_s'], lambda v: f'{v:.2f} s')}")
     if robust_samples:
-        ranked, _ = robustness.ranked_plans(model, system, [one.plan, *w.leaders], robust_samples, dtype)
+        from perfsim.predict import predict
+
+        ranked, _ = robustness.ranked_plans(model, system, [predict(model, system, p, dtype) for p in (one.plan, *w.leaders)],
+                                            robust_samples, dtype)
         among = f"the {len(ranked)} fastest plans at 1x"
         lines.append(f"over {robust_samples} draws it is {robustness.odds_text(robustness.find(ranked, one.plan), among)}")
     return spread, "<br>".join(lines)

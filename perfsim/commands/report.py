@@ -61,12 +61,13 @@ def sections(case, args, progress=None) -> list:
 
     def how_sure():
         from perfsim.charts import robustness
+        from perfsim.predict import predict
         from perfsim.uncertainty.robust import verdict
 
         spreads, posterior, note = robustness.plan_spreads(m, s, [plan], case.spread_samples(), case.dtype)
         samples = case.robust_samples()
-        best = [p.plan for p in searched().plans]
-        ranked, _ = robustness.ranked_plans(m, s, best + [plan], samples, case.dtype)
+        best = searched().plans
+        ranked, _ = robustness.ranked_plans(m, s, best + [predict(m, s, plan, case.dtype)], samples, case.dtype)
         among = f"the search's best {len(best)} plans" + (" and yours" if len(ranked) > len(best) else "")
         fig = robustness.figure(m, s, ranked, samples, show=max(args.top, 5), yours=robustness.find(ranked, plan))
         return fig, robustness.section_notes(s, plan, spreads[0], posterior, ranked, among, verdict(ranked), note, samples)
