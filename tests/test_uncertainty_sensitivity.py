@@ -125,6 +125,7 @@ def test_plan_choice_of_the_default_case(run_cli):
     (("--fix", "tp=4"), "give --plan-choice too"),
     (("--plan-choice", "--fix", "warp=9"), "warp"),
     (("--plan-choice", "--candidates", "1"), "--candidates"),
+    (("--plan-choice", "--samples", "8192"), "up to 4096"),
 ])
 def test_plan_choice_flags_are_checked(run_cli, args, needle):
     result = run_cli("sensitivity", *args)

@@ -64,10 +64,17 @@ def _candidates(args, model, system, plan) -> tuple:
     return found, len(found)
 
 
+MAX_PLAN_CHOICE_SAMPLES = 4096
+
+
 def _run_plan_choice(args, model, system, plan) -> None:
     from perfsim.commands.search import _summary
+    from perfsim.errors import PerfsimError
     from perfsim.uncertainty.plan_choice import DEFAULT_SAMPLES, plan_choice
 
+    if (args.samples or 0) > MAX_PLAN_CHOICE_SAMPLES:  # each draw prices every candidate with its own links
+        raise PerfsimError(f"--plan-choice prices every candidate under every draw: --samples up to "
+                           f"{MAX_PLAN_CHOICE_SAMPLES} (about a minute per 1,000 draws of ten plans)")
     candidates, searched = _candidates(args, model, system, plan)
     choice = plan_choice(model, system, [p.plan for p in candidates], args.samples or DEFAULT_SAMPLES, args.dtype)
     given = next(i for i, p in enumerate(candidates) if p.plan == plan) if any(p.plan == plan for p in candidates) else None
