@@ -145,6 +145,30 @@ def test_observe_on_the_command_line(run_cli, tmp_path):
     assert f"conditioned on the measurements of {ledger}" in text.out
 
 
+def test_an_observations_file_may_name_ledgers(run_cli, tmp_path):
+    """A profile's observations file names the ledger (relative to its folder): every command that
+    draws from the profile is conditioned on it, as --observe conditions predict."""
+    os.makedirs(tmp_path / "ledgers")
+    _synthetic_ledger(str(tmp_path / "ledgers" / "true.jsonl"), _true_system())
+    with open(os.path.join(HWPROFILES, "cpu-example.toml"), encoding="utf-8") as fh:
+        text = fh.read().replace("schema = 1\n", 'schema = 1\nobservations = "obs/machine.toml"\n', 1)
+    os.makedirs(tmp_path / "obs")
+    (tmp_path / "obs" / "machine.toml").write_text('schema = 1\nledgers = ["../ledgers/true.jsonl"]\n')
+    (tmp_path / "observed.toml").write_text(text)
+    case = ("--model", MODEL, "--devices", "2", "--tp", "2", "--mbs", "2", "--gbs", "4", "--uncertainty", "--samples",
+            "64", "--json")
+    named = run_cli("predict", "--system", str(tmp_path / "observed.toml"), *case)
+    given = run_cli("predict", "--system", "cpu-example", "--observe", str(tmp_path / "ledgers" / "true.jsonl"), *case)
+    assert named.code == 0 and given.code == 0, named.err + given.err
+    prior = run_cli("predict", "--system", "cpu-example", *case).json()["uncertainty"]["step_time_s"]
+    q, r = named.json()["uncertainty"]["step_time_s"], given.json()["uncertainty"]["step_time_s"]
+    assert q["p90"] - q["p10"] < 0.5 * (prior["p90"] - prior["p10"])
+    assert q["p50"] == pytest.approx(r["p50"], rel=0.1)
+    (tmp_path / "obs" / "machine.toml").write_text('schema = 1\nledgers = "true.jsonl"\n')
+    bad = run_cli("predict", "--system", str(tmp_path / "observed.toml"), *case)
+    assert bad.code == 2 and "ledgers must be a list" in bad.err and bad.err.count("\n") == 1, bad.err
+
+
 @pytest.mark.parametrize("content, needle", [
     ('{"schema": 1, "key": "a", "suite": "step", "op": "training_step", "dtype": "bf16"}\n', "no GEMM or collective"),
     ("not json\n", "no GEMM or collective"),

@@ -15,11 +15,16 @@ the profile names (`observations = "observations/<name>.toml"`, docs/profile-for
 A quantity is one of the prediction's numbers (QUANTITIES) or a scaling efficiency at `devices`
 from the plan's own size (weak: micro-batches per replica kept; strong: global batch kept; as
 perfsim scale computes them).
+
+The file may also name calibration ledgers measured on the machine, relative to its folder
+(`ledgers = ["../ledgers/calibration-cpu.jsonl"]`): their kernels become observations too
+(perfsim.uncertainty.ledger_observations), as `perfsim predict --uncertainty --observe` makes them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,9 +125,19 @@ def load_observations(path: str, system) -> tuple:
     if data.get("schema") != 1 or isinstance(data.get("schema"), bool):
         raise PerfsimError(f"{where}: schema must be 1, got {data.get('schema')!r}")
     for key in data:
-        if key not in ("schema", "description", "observation"):
-            raise PerfsimError(f"{where}: unknown key {key}; the file holds schema, description and [[observation]] tables")
-    raws = data.get("observation")
-    if not isinstance(raws, list) or not raws:
-        raise PerfsimError(f"{where}: no [[observation]] tables")
-    return tuple(_observation(where, i, raw, system) for i, raw in enumerate(raws))
+        if key not in ("schema", "description", "observation", "ledgers"):
+            raise PerfsimError(f"{where}: unknown key {key}; the file holds schema, description, ledgers and "
+                               "[[observation]] tables")
+    ledgers = data.get("ledgers", [])
+    if not isinstance(ledgers, list) or not all(isinstance(x, str) and x.strip() for x in ledgers):
+        raise PerfsimError(f"{where}: ledgers must be a list of ledger paths (relative to the file's folder)")
+    raws = data.get("observation", [])
+    if not isinstance(raws, list):
+        raise PerfsimError(f"{where}: observation must be [[observation]] tables")
+    if not (raws or ledgers):
+        raise PerfsimError(f"{where}: no [[observation]] tables and no ledgers")
+    from perfsim.uncertainty.ledger_observations import ledger_observations
+
+    folder = os.path.dirname(path)
+    return tuple(_observation(where, i, raw, system) for i, raw in enumerate(raws)) + tuple(
+        obs for ledger in ledgers for obs in ledger_observations(os.path.join(folder, ledger), system))
