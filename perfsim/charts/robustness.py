@@ -66,11 +66,14 @@ def plan_spreads(model, system, plans: list, samples: int, dtype: str = "bf16") 
     """(each Plan's `uncertainty` object as perfsim predict --uncertainty --json gives it, all
     under one set of draws, the Posterior or None, the note on what the observations cannot
     explain or '')."""
-    from perfsim.uncertainty.predict import plan_spread
+    from perfsim.uncertainty.predict import summary_of
+    from perfsim.uncertainty.sampling import evaluate_plans
 
     draws, posterior = posterior_draws(system, samples)
-    return ([plan_spread(model, draws, plan, dtype) for plan in plans], posterior,
-            posterior.unexplained_text() if posterior is not None else "")
+    r = evaluate_plans(model, draws, plans, dtype, parts=True)  # one call per plan family and link configuration
+    return ([summary_of(r["step_time_s"][i], r["tokens_per_s"][i], r["memory_total_bytes"][i],
+                        {part: v[i] for part, v in r["time_breakdown_s"].items()}) for i in range(len(plans))],
+            posterior, posterior.unexplained_text() if posterior is not None else "")
 
 
 def find(ranked: list, plan):

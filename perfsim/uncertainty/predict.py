@@ -29,10 +29,14 @@ def plan_spread(model, draws, plan, dtype: str = "bf16") -> dict:
     """The `uncertainty` object of one plan under draws already taken (several plans' charts
     share one set of draws)."""
     r = evaluate_draws(model, draws, columns_of(plan), dtype)
-    return {"samples": int(draws.n), "step_time_s": percentiles(r["step_time_s"]),
-            "tokens_per_s": percentiles(r["tokens_per_s"]),
-            "memory_total_bytes": percentiles(r["memory_bytes"]["total"]),
-            "time_breakdown_s": {part: percentiles(v) for part, v in r["time_breakdown_s"].items()}}
+    return summary_of(r["step_time_s"], r["tokens_per_s"], r["memory_bytes"]["total"], r["time_breakdown_s"])
+
+
+def summary_of(step_time_s, tokens_per_s, memory_total_bytes, time_breakdown_s: dict) -> dict:
+    """The `uncertainty` object from one plan's numbers per draw (arrays over the draws)."""
+    return {"samples": int(np.size(step_time_s)), "step_time_s": percentiles(step_time_s),
+            "tokens_per_s": percentiles(tokens_per_s), "memory_total_bytes": percentiles(memory_total_bytes),
+            "time_breakdown_s": {part: percentiles(v) for part, v in time_breakdown_s.items()}}
 
 
 def uncertainty_lines(summary: dict, conditioned: bool, ledgers: tuple = ()) -> str:

@@ -168,13 +168,16 @@ def evaluate_draws(model, draws: Draws, columns, dtype: str = "bf16") -> dict:
     return out
 
 
-def evaluate_plans(model, draws: Draws, plans, dtype: str = "bf16") -> dict:
-    """Step time and peak memory of several plans under every draw, as (plans x draws) arrays.
+def evaluate_plans(model, draws: Draws, plans, dtype: str = "bf16", parts: bool = False) -> dict:
+    """Step time and peak memory of several plans under every draw, as (plans x draws) arrays;
+    with `parts`, also tokens_per_s and time_breakdown_s (a dict of such arrays), for charts.
     Plans sharing a tensor-parallel mode, rank order and grid axes are priced in one call per link
     configuration: row (plan i, draw r) of the call is plan i's columns beside draw r's numbers."""
     from perfsim.cost.columns import columns_of_many
 
     out = {"step_time_s": np.empty((len(plans), draws.n)), "memory_total_bytes": np.empty((len(plans), draws.n))}
+    if parts:
+        out |= {"tokens_per_s": np.empty((len(plans), draws.n)), "time_breakdown_s": {}}
     families: dict = {}
     for i, plan in enumerate(plans):
         families.setdefault((plan.tp_mode, plan.order, plan.tp_axes), []).append(i)
@@ -189,4 +192,9 @@ def evaluate_plans(model, draws: Draws, plans, dtype: str = "bf16") -> dict:
             out["step_time_s"][np.ix_(members, rows)] = _broadcast(r["step_time_s"], rows.size * len(members)).reshape(shape)
             out["memory_total_bytes"][np.ix_(members, rows)] = _broadcast(
                 r["memory_bytes"]["total"], rows.size * len(members)).reshape(shape)
+            if parts:
+                out["tokens_per_s"][np.ix_(members, rows)] = _broadcast(r["tokens_per_s"], shape[0] * shape[1]).reshape(shape)
+                for part, v in r["time_breakdown_s"].items():
+                    target = out["time_breakdown_s"].setdefault(part, np.empty((len(plans), draws.n)))
+                    target[np.ix_(members, rows)] = _broadcast(v, shape[0] * shape[1]).reshape(shape)
     return out
