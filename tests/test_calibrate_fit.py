@@ -196,6 +196,11 @@ def test_plan_shapes_come_from_perfsim():
     assert gemms["qkv"] == (1, 2048, 1536, 1024) and gemms["fc2"] == (1, 2048, 1024, 2048)
     assert gemms["scores"] == (8, 2048, 2048, 64)
     assert mb.plan_attention(model, Plan(tp=2, dp=1, mbs=1, gbs=1)) == (8, 2048, 64)
+    # context parallelism: a rank's s/cp tokens, the attention in cp x cp ring blocks of (s/cp)^2
+    # (perfsim.cost.stage and docs/equations.md 11.2), its ring's group and the gradients' dp x cp group
+    cp = {g[0]: g[1:] for g in mb.plan_gemms(model, Plan(tp=2, cp=2, dp=2, mbs=2, gbs=4))}
+    assert cp["qkv"] == (1, 2048, 1536, 1024) and cp["scores"] == (32, 1024, 1024, 64)
+    assert mb.plan_group_shapes(model, Plan(tp=2, cp=2, dp=2, mbs=2, gbs=4)) == [(2, 1), (2, 2), (2, 4), (4, 2)]
     # 2D tensor parallelism on a 2 x 2 grid, 2-way data parallel: both grid axes, then dp
     shapes = mb.plan_group_shapes(model, Plan(tp=4, tp_mode="2d", dp=2, mbs=2, gbs=4))
     assert sorted(shapes[:2]) == [(2, 1), (2, 2)] and shapes[2] == (2, 4)

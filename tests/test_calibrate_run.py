@@ -193,7 +193,11 @@ def test_killed_half_way_and_resumed(tmp_path):
     (("--device", "tpu"), "invalid choice: 'tpu'"),
     (("--device", "cuda", "--system", "dgx-a100"), "--device cuda:"),
     (("--device", "cpu", "--ledger", "/nonexistent/folder/l.jsonl"), "does not exist"),
-    (("--device", "cpu", "--nproc", "3", "--tp", "2"), "not a multiple of tp x pp"),
+    (("--device", "cpu", "--nproc", "3", "--tp", "2"), "not a multiple of tp x cp x pp"),
+    (("--device", "cpu", "--nproc", "2", "--tp", "2", "--plans", "tp=2"), "give either --plans or plan flags"),
+    (("--device", "cpu", "--nproc", "2", "--plans", "tp=2;cp=3"), "not a multiple of tp x cp x pp"),
+    (("--device", "cpu", "--nproc", "2", "--plans", "tp=2,zeal=1"), "'zeal=1' is not FIELD=VALUE"),
+    (("--emit-slurm", "x.sbatch", "--nodes", "1", "--plans", "tp=8"), "--plans is for campaigns on this machine"),
     (("--device", "cpu", "--nproc", "2", "--tp", "2", "--model", "layers=2,hidden=96,heads=3,seq=32,vocab=64"),
      "must divide the 3 attention heads"),
     (("--device", "cpu", "--system", "nosuch"), "unknown system 'nosuch'"),
@@ -230,3 +234,29 @@ def test_the_flash_kernels_time_the_causal_fused_attention_a_flash_step_runs():
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
     assert {"flash", "flash_backward"} <= set(mb.ATTENTION_OPS)
+
+
+def test_plans_measure_the_kernels_and_groups_of_each_plan_into_one_ledger(run_cli, tmp_path):
+    """calibrate --plans: one campaign per plan, what they share measured once; a context-parallel
+    plan's GEMMs are those of its s/cp tokens and ring blocks (perfsim.cost.stage), its cp group
+    and the gradients' dp x cp group measured; plans that differ in nothing a kernel sees (here
+    recompute) measure alike."""
+    ledger = tmp_path / "plans.jsonl"
+    model = "layers=2,hidden=64,heads=4,seq=32,vocab=256"
+    r = run_cli("calibrate", "--device", "cpu", "--nproc", "2", "--quick", "--suites", "gemm,collective",
+                "--max-bytes", "2KiB", "--dtypes", "fp32", "--ledger", str(ledger), "--no-fit", "--model", model,
+                "--plans", "tp=2,mbs=2;tp=2,mbs=2,recompute=full;cp=2,mbs=2")
+    assert r.code == 0, r.err
+    assert "(1 of 2 plans)" in r.err and "(2 of 2 plans)" in r.err
+    records, problems = read_ledger(str(ledger))
+    assert problems == []
+    keys = [x["key"] for x in records]
+    assert len(keys) == len(set(keys)), "a shared point was measured twice"
+    plan_gemms = {(x["shape"]["count"], x["shape"]["m"], x["shape"]["n"], x["shape"]["k"])
+                  for x in records if x["suite"] == "gemm" and x.get("origin") == "plan"}
+    tp2 = set(mb.plan_gemms(load_model(model), Plan(tp=2, mbs=2, gbs=2)))
+    cp2 = set(mb.plan_gemms(load_model(model), Plan(cp=2, mbs=2, gbs=2)))
+    assert {g[1:] for g in tp2 | cp2} == plan_gemms
+    assert ("scores", 16, 16, 16, 16) in cp2  # mbs/cp x heads x cp^2 blocks of (s/cp)^2 x head_dim
+    groups = {tuple(x["group"]) for x in records if x["suite"] == "collective"}
+    assert (2, 1) in groups

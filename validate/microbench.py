@@ -186,8 +186,9 @@ def plan_gemms(model: ModelSpec, plan: Plan) -> list:
     model issues them: (name, count, m, n, k) with whole numbers."""
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
-    gemms = tpc.layer_gemms(layout, model, plan.mbs)
-    gemms.append(tpc.head_gemm(layout, model, plan.mbs, model.padded_vocab(plan.tp)))
+    b = plan.mbs / plan.cp  # a context-parallel rank works on mbs/cp sequences' worth (perfsim.cost.stage)
+    gemms = tpc.layer_gemms(layout, model, b, plan.cp)
+    gemms.append(tpc.head_gemm(layout, model, b, model.padded_vocab(plan.tp)))
     out = []
     for g in gemms:
         dims = [float(g.count), float(g.m), float(g.n), float(g.k)]
@@ -203,7 +204,7 @@ def plan_memory_ops(model: ModelSpec, plan: Plan) -> list:
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
     out = []
-    for op in layer_memory_ops(model, plan.mbs, layout.split, layout.region_split):
+    for op in layer_memory_ops(model, plan.mbs / plan.cp, layout.split, layout.region_split):
         bench = op.kind
         if not bench:  # generic (rotary): no kernel of its own to measure
             continue
@@ -229,8 +230,9 @@ def plan_attention(model: ModelSpec, plan: Plan):
 
 def plan_group_shapes(model: ModelSpec, plan: Plan) -> list:
     """(size, stride) in rank space of every communicating group shape of the plan: each axis of
-    the tensor-parallel grid (its stride inside the TP group times the TP stride), then data and
-    pipeline parallelism; strides from perfsim (plan.order, layout axes)."""
+    the tensor-parallel grid (its stride inside the TP group times the TP stride), then context, data
+    and pipeline parallelism, and data x context (the gradients' group); strides from perfsim
+    (plan.order, layout axes)."""
     c = columns_of(plan)
     strides = c.strides
     layout = tpc.layout_of(model, c)
@@ -239,9 +241,11 @@ def plan_group_shapes(model: ModelSpec, plan: Plan) -> list:
         size, stride = int(size), int(np.asarray(stride).item())
         if size > 1:
             shapes.append((size, stride * int(strides["tp"])))
-    for dim, size in (("dp", plan.dp), ("pp", plan.pp)):
+    for dim, size in (("cp", plan.cp), ("dp", plan.dp), ("pp", plan.pp)):
         if size > 1:
             shapes.append((int(size), int(strides[dim])))
+    if plan.cp > 1 and plan.dp > 1:  # gradients are reduced over data- and context-parallel ranks together
+        shapes.append((int(plan.dp * plan.cp), int(np.asarray(strides["dp_cp"]).item())))
     return shapes
 
 

@@ -25,7 +25,8 @@ DEFAULT_MODEL = {"cpu": "gpt3-350m", "cuda": "gpt3-1.3b", "xpu": "smng-p2-20b"}
 DEFAULT_SYSTEM = {"cpu": "cpu-example", "xpu": "smng-p2"}
 DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16",), "xpu": ("bf16",)}
 DTYPES = ("fp32", "bf16", "fp16")
-PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "mbs", "order", "tp_axes")
+# the plan fields that decide which kernel shapes, tensor sizes and groups a campaign measures
+PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "cp", "pp", "mbs", "order", "tp_axes")
 # what --suites may name: the microbenchmark suites of the ledger, and "overheads", real training
 # steps of a calibration model that give the framework overheads (perfsim.calibrate.overheads)
 OVERHEADS = "overheads"
@@ -129,10 +130,15 @@ def register(subparsers) -> None:
     w.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
     w.add_argument("--tp-depth", dest="tp_depth", type=_positive)
     w.add_argument("--sp", action="store_true", default=None)
+    w.add_argument("--cp", type=_positive, help="context-parallel size (default 1)")
     w.add_argument("--pp", type=_positive)
     w.add_argument("--mbs", type=_positive)
     w.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
     w.add_argument("--tp-axes", dest="tp_axes")
+    w.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists (as perfsim validate --plans), e.g. "
+                                   "'tp=2,mbs=2;pp=2,mbs=2;cp=2': measure the kernel shapes, sizes and groups of each, "
+                                   "one campaign per plan into the same ledger (what they share is measured once); "
+                                   "instead of the plan flags")
     w.add_argument("--dtypes", type=_choices(DTYPES), help="compute dtypes (default: fp32,bf16 on cpu, bf16 on GPUs)")
     w.add_argument("--suites", type=_choices(CALIBRATE_SUITES),
                    help=f"what to measure (default all: {','.join(CALIBRATE_SUITES)}; {OVERHEADS}: real training steps of "
@@ -157,18 +163,20 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _options(args, world: int, ranks_per_node: int):
+def _options(args, world: int, ranks_per_node: int, given: dict | None = None):
+    """The campaign's Options; `given`: the plan fields of one of --plans instead of the plan flags."""
     from validate.campaign import Options
 
     device = args.device
     model = args.model or DEFAULT_MODEL[device]
-    plan = {k: getattr(args, k) for k in PLAN_KEYS if getattr(args, k) is not None}
+    plan = dict(given) if given is not None else {k: getattr(args, k) for k in PLAN_KEYS if getattr(args, k) is not None}
     if "tp" not in plan:
         plan["tp"] = _default_tp(model, ranks_per_node, plan.get("tp_mode", "1d"))
-    tp, pp = plan["tp"], plan.get("pp", 1)
-    if world % (tp * pp):
-        raise PerfsimError(f"{world} ranks is not a multiple of tp x pp = {tp * pp}; change --tp/--pp or --nproc/--nodes")
-    plan["dp"] = world // (tp * pp)
+    tp, cp, pp = plan["tp"], plan.get("cp", 1), plan.get("pp", 1)
+    if world % (tp * cp * pp):
+        raise PerfsimError(f"{world} ranks is not a multiple of tp x cp x pp = {tp * cp * pp}; change the plan or "
+                           "--nproc/--nodes")
+    plan["dp"] = world // (tp * cp * pp)
     plan["gbs"] = plan.get("mbs", 1) * plan["dp"]
     return Options(device=device, ledger=_ledger_path(args), model=model, plan=plan,
                    dtypes=args.dtypes or DEFAULT_DTYPES[device],
@@ -178,6 +186,25 @@ def _options(args, world: int, ranks_per_node: int):
                    repeats=args.repeats or (3 if args.quick else 5),
                    min_time_s=args.min_time if args.min_time is not None else (5e-4 if args.quick else 2e-3),
                    threads=args.threads)
+
+
+def _given_plans(args) -> list:
+    """[plan fields] of each of --plans (the fields that decide what a campaign measures), or
+    [None]: the plan flags."""
+    if not getattr(args, "plans", None):
+        return [None]
+    given = [k for k in PLAN_KEYS if getattr(args, k) is not None]
+    if given:
+        raise PerfsimError(f"give either --plans or plan flags (--{given[0].replace('_', '-')}, ...), not both")
+    from validate.timing import parse_plans
+
+    out = []
+    for plan in parse_plans(args.plans):
+        fields = plan.as_dict()
+        kept = {k: fields[k] for k in PLAN_KEYS if k in fields}
+        if kept not in out:  # plans that differ only in what changes no kernel (recompute, ZeRO, ...) measure alike
+            out.append(kept)
+    return out
 
 
 def _ledger_path(args) -> str:
@@ -263,14 +290,19 @@ def _measure_and_fit(args, system: str) -> None:
     nproc = args.nproc or _visible_devices(args.device)
     if nproc > 1:
         distributed_backend(args.device)
-    options = _options(args, nproc, nproc)
-    _check_plan(options, nproc)
+    campaigns = [_options(args, nproc, nproc, given) for given in _given_plans(args)]
+    for options in campaigns:
+        _check_plan(options, nproc)
     from validate.campaign import launch_local
 
-    print(f"perfsim calibrate: {nproc} {args.device} rank(s), model {options.model}, plan "
-          f"{', '.join(f'{k}={v}' for k, v in options.plan.items())}; ledger {options.ledger}", file=sys.stderr, flush=True)
-    if options.suites:
-        launch_local(options, nproc)
+    for i, options in enumerate(campaigns, 1):
+        which = f" ({i} of {len(campaigns)} plans)" if len(campaigns) > 1 else ""
+        print(f"perfsim calibrate: {nproc} {args.device} rank(s), model {options.model}, plan "
+              f"{', '.join(f'{k}={v}' for k, v in options.plan.items())}{which}; ledger {options.ledger}",
+              file=sys.stderr, flush=True)
+        if options.suites:
+            launch_local(options, nproc)
+    options = campaigns[0]  # the overhead runs train their own calibration model, whatever the plans
     if OVERHEADS in (args.suites or CALIBRATE_SUITES):
         if out:
             _run_overheads(args, options, nproc, system)
@@ -386,6 +418,8 @@ def _run_emit_slurm(args) -> None:
 
     if args.nodes is None:
         raise PerfsimError("--emit-slurm needs --nodes N (8 tiles, so 8 ranks, per node)")
+    if args.plans:
+        raise PerfsimError("--emit-slurm measures one plan (the plan flags); --plans is for campaigns on this machine")
     args.device = args.device or "xpu"
     if args.device != "xpu":
         raise PerfsimError("--emit-slurm writes an SMNG-P2 (XPU) job; use --device xpu or leave --device out")
