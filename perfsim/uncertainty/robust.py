@@ -1,14 +1,16 @@
-"""`perfsim search --robust`: the point search's best plans ranked again over the draws of the
-profile's ranges (its posterior where it names observations).
+"""Plans ranked over the draws of the profile's ranges (its posterior where it names observations).
 
-Every candidate is priced under every draw; a plan that does not fit in a draw's memory takes no
-part in that draw. Per plan: P(best), the share of draws in which it is the fastest candidate,
-and P(within 5%), the share in which its step time is within 5% of that draw's fastest. Plans
-are ranked by their median step time over the draws. The top choice is called robust when it is
-within 5% of the best in at least ROBUST_SHARE of the draws.
+Per plan: P(best), the share of draws in which it is the fastest plan compared, and P(within 5%),
+the share in which its step time is within 5% of that draw's fastest; a plan that does not fit in
+a draw's memory takes no part in that draw. Plans rank by P(within 5%), then P(best), then median
+step time (rank_key). The top choice is called robust when it is within 5% of the best in at least
+ROBUST_SHARE of the draws.
 
-The candidates are the point search's best CANDIDATES plans (or --top, if more): a plan far
-down the point ranking may still win in some draws; the text says how many were compared.
+robust_ranking compares plans it is given (the charts give the point search's best CANDIDATES),
+each priced under every draw. `perfsim search --robust` (robust_search, rank_space) compares every
+valid plan of the space: a bound (perfsim/uncertainty/bounds.py) shows most are never within 5%
+of the best in any draw, and only the rest are priced draw by draw, with the same P(best) and
+P(within 5%) for every plan as pricing them all (docs/validation.md, "Pruning the robust search").
 """
 
 from __future__ import annotations
