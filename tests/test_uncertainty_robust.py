@@ -72,6 +72,8 @@ def test_text_prints_p_best_and_the_verdict(run_cli):
     (("--samples", "64"), "give --robust too"),
     (("--robust", "--rank", "memory-headroom"), "leave out --rank"),
     (("--robust", "--samples", "2"), "--samples"),
+    (("--robust", "--fix", "tp=3"), "no valid plan"),
+    (("--robust", "--fix", "tp=1", "--fix", "pp=1", "--fix", "zero=0"), "fits in device memory"),
 ])
 def test_flag_errors_are_one_line(run_cli, argv, needle):
     result = run_cli(*CASE, *argv)

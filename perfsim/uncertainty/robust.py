@@ -319,8 +319,10 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     families = [f for f in families if len(f.lower)]
     fitting = sum(len(f.lower) for f in families)
     if not fitting:
-        raise PerfsimError(f"none of the {valid:,} valid plans fits in device memory in any draw; use more devices, "
-                           "a smaller --gbs, or allow recomputation and higher ZeRO stages")
+        from perfsim.search import _nothing_fits
+
+        too_big = {"does not fit in device memory in any draw": valid} if valid else {}
+        raise PerfsimError(_nothing_fits(valid, rejected | too_big, devices, gbs))
     # 2. an upper bound on every draw's best
     if not _same_routes(draws, fast_numbers, slow_numbers):
         families = [dataclasses.replace(f, lower=np.zeros_like(f.lower)) for f in families]  # no lower bound
