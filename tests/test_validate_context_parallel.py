@@ -28,6 +28,16 @@ def results(request, tmp_path_factory):
     return data
 
 
+@pytest.mark.multiprocess
+def test_the_ring_blocks_run_the_fused_kernel_and_the_explicit_math_alike(results):
+    """On a CPU the blocks run torch's fused flash kernel (what the model prices, docs/equations.md
+    11.2), the -explicit case the block math; both equal the single-process step
+    (test_loss_and_gradients_equal_single_process)."""
+    blocks = {case["case"]: {r["blocks"] for r in case["ranks"]} for case in results["cases"]}
+    for name, kinds in blocks.items():
+        assert kinds == ({"explicit"} if name.endswith("-explicit") else {"fused"}), name
+
+
 def ranks(results):
     return [(case, rank) for case in results["cases"] for rank in case["ranks"]]
 

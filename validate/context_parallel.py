@@ -10,10 +10,14 @@ calls, device-generic: gloo, nccl, xccl) passes the key/value blocks around the 
   computes its queries' attention against them, sends them on to rank i + 1 and receives the next
   block from rank i - 1 (cp - 1 sends of one block: K and V of s/cp tokens, heads/tp, head_dim).
   Each (query chunk, key chunk) pair is a block: below the diagonal in full, on it with the causal
-  mask, above it skipped. The blocks merge with the online softmax: a running output and
+  mask, above it skipped. A block runs in the device's fused flash kernel, which returns its
+  log-sum-exp (`fused_block_kernels`: on a CPU the very kernel scaled_dot_product_attention runs,
+  as production ring attention calls flash-attention per block), else as explicit math (scores,
+  softmax, two products). The blocks merge with the online softmax: a running output and
   log-sum-exp per query row (`_merge`), so the result is exactly softmax(QK^T/sqrt(d)) V.
 - backward: the key/value blocks go around again; each rank recomputes its blocks' scores from
-  Q, K and the saved log-sum-exp (no s x s tensor is kept, as in a flash kernel) and adds its
+  Q, K and the saved log-sum-exp (no s x s tensor is kept, as in a flash kernel; the fused
+  kernel's backward given the merged output and log-sum-exp) and adds its
   share of dK and dV to an accumulator that travels with the block and ends at its owner:
   the first hop carries K and V, the middle hops K, V and the partial dK, dV, the last hop only
   dK, dV home; 2 (cp - 1) blocks sent, twice the forward's bytes (what perfsim prices,
@@ -94,6 +98,27 @@ def _block_scores(q, k, causal: bool):
     return scores
 
 
+def fused_block_kernels(q):
+    """(forward, backward) of the device's fused causal attention kernel that returns its
+    log-sum-exp, for ring blocks of `q`'s device and dtype, or None: the explicit block math then
+    runs (_block_scores, softmax, two products). The CPU build of torch has it
+    (aten._scaled_dot_product_flash_attention_for_cpu and its backward: the kernel
+    scaled_dot_product_attention itself runs on a CPU, with the log-sum-exp it keeps for backward);
+    other devices' flash ops take device-specific arguments and are not wired here."""
+    ops = torch.ops.aten
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or not hasattr(
+            ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return None
+
+    def forward(q, k, v, causal):
+        return ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+    def backward(grad_out, q, k, v, out, lse, causal):
+        return ops._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+
+    return forward, backward
+
+
 def _merge(out, lse, block_out, block_lse):
     """The online softmax: a running fp32 output and log-sum-exp per query row merged with one
     block's, as if their keys had been one softmax."""
@@ -151,8 +176,9 @@ class RingAttention(torch.autograd.Function):
     s/cp, d] each, over the cp group `group` (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, fused=True):
         ring = _Ring(group)
+        kernels = fused_block_kernels(q) if fused else None
         kv = torch.stack([k, v])  # one message a step: keys and values of this rank's s/cp tokens
         q_chunks = _halves(q)
         out = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
@@ -164,10 +190,14 @@ class RingAttention(torch.autograd.Function):
             k_chunks, v_chunks = _halves(kv[0]), _halves(kv[1])
             run, skip = _pairs(ring, step)
             for qi, ki, causal in run:
-                scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
-                block_lse = torch.logsumexp(scores.float(), dim=-1)
-                probs = torch.exp(scores.float() - block_lse.unsqueeze(-1)).to(v.dtype)
-                out[qi], lse[qi] = _merge(out[qi], lse[qi], torch.matmul(probs, v_chunks[ki]), block_lse)
+                if kernels:
+                    block_out, block_lse = kernels[0](q_chunks[qi], k_chunks[ki], v_chunks[ki], causal)
+                else:
+                    scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
+                    block_lse = torch.logsumexp(scores.float(), dim=-1)
+                    probs = torch.exp(scores.float() - block_lse.unsqueeze(-1)).to(v.dtype)
+                    block_out = torch.matmul(probs, v_chunks[ki])
+                out[qi], lse[qi] = _merge(out[qi], lse[qi], block_out, block_lse)
             for qi, ki in skip:
                 _note_skipped("forward", q_chunks[qi], k_chunks[ki], FORWARD_PRODUCTS)
             _wait(pending)
@@ -177,7 +207,7 @@ class RingAttention(torch.autograd.Function):
         context = torch.cat(out, dim=-2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, context, lse)
-        ctx.group = group
+        ctx.group, ctx.kernels = group, kernels
         return context
 
     @staticmethod
@@ -189,6 +219,7 @@ class RingAttention(torch.autograd.Function):
         delta = (grad_context.float() * context.float()).sum(-1)
         q_chunks, do_chunks = _halves(q), _halves(grad_context)
         lse_chunks, delta_chunks = _halves(lse.unsqueeze(-1)), _halves(delta.unsqueeze(-1))
+        out_chunks, lse_rows = _halves(context), [x.contiguous() for x in lse.chunk(2, dim=-1)]
         dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
         kv = torch.stack([k, v])
         own = partial = None  # this rank's share of its own block's dK, dV; the travelling one received
@@ -202,6 +233,13 @@ class RingAttention(torch.autograd.Function):
             run, skip = _pairs(ring, step)
             scale = 1 / math.sqrt(q.shape[-1])
             for qi, ki, causal in run:
+                if ctx.kernels:  # the block's share of the gradients, from the merged output and log-sum-exp
+                    dq_b, dk_b, dv_b = ctx.kernels[1](do_chunks[qi], q_chunks[qi], k_chunks[ki], v_chunks[ki],
+                                                      out_chunks[qi], lse_rows[qi], causal)
+                    dq[qi] += dq_b.float()
+                    dk_chunks[ki].add_(dk_b.float())
+                    dv_chunks[ki].add_(dv_b.float())
+                    continue
                 scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
                 probs = torch.exp(scores.float() - lse_chunks[qi])
                 dv_chunks[ki].add_(torch.matmul(probs.to(q.dtype).transpose(-2, -1), do_chunks[qi]).float())
@@ -225,25 +263,27 @@ class RingAttention(torch.autograd.Function):
         if partial is not None:
             own = own + partial.float()
         dkv = own.to(k.dtype)
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0], dkv[1], None
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0], dkv[1], None, None
 
 
-def ring_attention(q, k, v, group):
-    """validate.gpt's attention core under context parallelism (see RingAttention)."""
-    return RingAttention.apply(q, k, v, group)
+def ring_attention(q, k, v, group, fused=True):
+    """validate.gpt's attention core under context parallelism (see RingAttention); `fused`: each
+    block in the device's fused kernel where fused_block_kernels has one."""
+    return RingAttention.apply(q, k, v, group, fused)
 
 
-def context_parallelize(gpt, group):
+def context_parallelize(gpt, group, fused=True):
     """Make `gpt` (validate.gpt.GPT, flash attention, tensor-parallel or not, without SP) one rank of
     the context-parallel `group`: it takes this rank's s/cp tokens (`local_positions`), adds their
-    positions, and runs its attention as `ring_attention` over the group."""
+    positions, and runs its attention as `ring_attention` over the group (`fused`: its blocks in the
+    device's fused kernel where there is one, else the explicit block math)."""
     if gpt.cfg.attention != "flash":
         raise ValueError("context parallelism runs ring attention, a fused kernel: it needs attention = flash")
     if gpt.sp:
         raise ValueError("the harness runs context parallelism without sequence parallelism")
     gpt.positions = local_positions(gpt.cfg.seq, dist.get_world_size(group), dist.get_rank(group))
     for block in gpt.blocks:
-        block.attn.core = functools.partial(ring_attention, group=group)
+        block.attn.core = functools.partial(ring_attention, group=group, fused=fused)
     return gpt
 
 

@@ -34,7 +34,9 @@ MODEL = "layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropo
 # name: (tp, cp, dp, recompute, bf16)
 CASES = {"cp2": (1, 2, 1, "none", False), "cp2-selective": (1, 2, 1, "selective", False),
          "cp2-full": (1, 2, 1, "full", False), "cp2-bf16": (1, 2, 1, "none", True),
-         "cp4": (1, 4, 1, "none", False), "tp2-cp2": (2, 2, 1, "none", False), "cp2-dp2": (1, 2, 2, "none", False)}
+         "cp4": (1, 4, 1, "none", False), "tp2-cp2": (2, 2, 1, "none", False), "cp2-dp2": (1, 2, 2, "none", False),
+         "cp2-explicit": (1, 2, 1, "none", False)}
+EXPLICIT = "-explicit"  # a case whose ring blocks run as explicit math, not the fused kernel
 SYSTEM = "cpu-example"  # any profile: FLOPs and bytes do not depend on the machine
 
 
@@ -74,7 +76,7 @@ def run_case(torch, model, name: str, mbs: int) -> dict:
     parallel = copy.deepcopy(reference).to(torch.bfloat16 if bf16 else torch.float32)
     if tp > 1:
         parallelize(parallel, mesh["tp"], False)
-    context_parallelize(parallel, cp_group)
+    context_parallelize(parallel, cp_group, fused=not name.endswith(EXPLICIT))
 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.vocab, (dp * mbs, model.seq), generator=gen)
@@ -107,7 +109,12 @@ def run_case(torch, model, name: str, mbs: int) -> dict:
     tp_bytes, other = counted_sent_bytes([r for r in sends.records if r.kind not in ("send", "recv")],
                                          local_tokens, model.hidden)
     lse_shape = (mbs, model.heads // tp, model.seq // cp)  # the ring's log-sum-exp, fp32
+    from validate.context_parallel import fused_block_kernels
+
+    fused = not name.endswith(EXPLICIT) and fused_block_kernels(tokens.new_empty((1,), dtype=torch.bfloat16 if bf16
+                                                                                 else torch.float32)) is not None
     return {
+        "blocks": "fused" if fused else "explicit",
         "dtype": "bf16" if bf16 else "fp32", "loss": float(mean_loss) / (dp * cp), "reference_loss": float(ref_loss.detach()),
         "grad_max_abs_error": grad_err, "grad_max_abs": grad_scale, "positions": columns.tolist(),
         "flops": {"counted": flops.total(), "skipped": sum(skipped.values()), "by_op": flops.by_op(),
