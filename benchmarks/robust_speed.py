@@ -10,9 +10,10 @@
   posterior cached on disk; target: under 1 s) and cold (an empty cache: scipy.stats imported, the
   observations conditioned), beside plain `perfsim predict --json`.
 
-Each row prints the median wall time over --runs and its ratio to plain `perfsim predict --json`
-timed in the same run: this VM's speed drifts by 2x within minutes, so compare ratios across runs.
-The posterior cache is warmed (untimed) before the warm rows; it lives in a temporary folder.
+Each row prints the median wall time over --runs, the median of a plain `perfsim predict --json`
+timed right after each run, and their ratio: this VM's speed drifts by 2x within minutes, so
+compare ratios across runs. The posterior cache is warmed (untimed) before each row; it lives in a
+temporary folder.
 """
 
 import argparse
@@ -48,21 +49,20 @@ def main():
     chosen = args.only.split(",")
     with tempfile.TemporaryDirectory() as folder:
         warm = os.path.join(folder, "warm")
-        rows = []
-        for name in [c for c in ("space", "smng") if c in chosen]:
-            timed(CASES[name], warm)  # conditioning for this draw count, once
-            rows.append((f"search --robust ({name})", [timed(CASES[name], warm) for _ in range(args.runs)]))
+        cases = [(f"search --robust ({name})", CASES[name], lambda i: warm) for name in ("space", "smng") if name in chosen]
         if "predict" in chosen:
-            timed(PREDICT, warm)
-            rows.append(("predict --uncertainty, warm", [timed(PREDICT, warm) for _ in range(args.runs)]))
-            rows.append(("predict --uncertainty, cold", [timed(PREDICT, os.path.join(folder, f"cold{i}"))
-                                                         for i in range(args.runs)]))
-        plain = statistics.median(timed(PLAIN, warm) for _ in range(args.runs))
-    print(f"{'command':<32} {'median':>8} {'x plain predict':>16}  runs")
-    print(f"{'predict --json (plain)':<32} {plain:>7.2f}s {1.0:>16.2f}")
-    for name, walls in rows:
-        median = statistics.median(walls)
-        print(f"{name:<32} {median:>7.2f}s {median / plain:>16.2f}  " + " ".join(f"{w:.2f}" for w in walls))
+            cases += [("predict --uncertainty, warm", PREDICT, lambda i: warm),
+                      ("predict --uncertainty, cold", PREDICT, lambda i: os.path.join(folder, f"cold{i}"))]
+        print(f"{'command':<32} {'median':>8} {'plain':>7} {'ratio':>7}  runs (each beside a plain predict --json)")
+        for name, argv, cache in cases:
+            timed(argv, warm)  # the posterior for this draw count, conditioned once
+            walls, plains = [], []
+            for i in range(args.runs):
+                walls.append(timed(argv, cache(i)))
+                plains.append(timed(PLAIN, warm))
+            median, plain = statistics.median(walls), statistics.median(plains)
+            print(f"{name:<32} {median:>7.2f}s {plain:>6.2f}s {median / plain:>7.2f}  "
+                  + " ".join(f"{w:.2f}" for w in walls), flush=True)
 
 
 if __name__ == "__main__":

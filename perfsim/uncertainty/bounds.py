@@ -6,8 +6,10 @@ The closed form is monotone in every number it samples: a step time is sums, pro
 non-negative counts, max()es and min()es (pipeline bubbles, overlap, the fastest collective
 algorithm) of terms each of which falls as a bandwidth, efficiency, peak or overlap share rises and
 as a latency, overhead or half-size falls; peak memory rises only with the reserved bytes and the
-allocator's share. tests/test_uncertainty_bounds.py checks this number by number on plans of every
-kind, and checks that the corner bounds every draw.
+allocator's share. The exception: collectives take the route of least summed latency, so a shorter
+latency can move traffic onto a slower link; a corner bounds only draws that route as it does
+(`routes`, checked by the robust search). tests/test_uncertainty_bounds.py checks this number by
+number on plans of every kind, and checks that the corners bound every draw.
 """
 
 from __future__ import annotations
@@ -37,18 +39,20 @@ def faster_when_higher(key: str) -> bool:
     return FASTER_WHEN_HIGHER[name]
 
 
+def _end(draws, rows, fastest: bool) -> dict:
+    values = draws.values if rows is None else draws.values[rows]
+    return {key: float(values[:, j].max() if faster_when_higher(key) == fastest else values[:, j].min())
+            for j, key in enumerate(draws.keys)}
+
+
 def optimistic_numbers(draws, rows=None) -> dict:
     """{key: value} of every drawn number at its fastest end over `rows` of the draws (all by default)."""
-    values = draws.values if rows is None else draws.values[rows]
-    return {key: float(values[:, j].max() if faster_when_higher(key) else values[:, j].min())
-            for j, key in enumerate(draws.keys)}
+    return _end(draws, rows, True)
 
 
 def pessimistic_numbers(draws, rows=None) -> dict:
     """{key: value} of every drawn number at its slowest end over `rows` of the draws."""
-    values = draws.values if rows is None else draws.values[rows]
-    return {key: float(values[:, j].min() if faster_when_higher(key) else values[:, j].max())
-            for j, key in enumerate(draws.keys)}
+    return _end(draws, rows, False)
 
 
 def optimistic_system(draws, rows=None):
