@@ -43,17 +43,29 @@ def ranked_plans(model, system, predictions: list, samples: int, dtype: str = "b
     return robust_ranking(model, system, unique, samples, dtype)
 
 
-_DRAWN: dict = {}  # (id(system), samples) -> (system, profile_draws' answer): a report's charts share them
+# What a report's charts share within one process: the draws, and each plan's spread under them.
+# Keyed by the identity of the model and system they belong to, whose references are kept, so a
+# key is never reused by another object.
+_REMEMBERED: dict = {}
+
+
+def _remembered(owners: tuple, key: tuple, compute=None):
+    """compute(), once per process for these owners (compared by identity) and key; with no
+    `compute`, what was remembered, or None."""
+    full = tuple(id(o) for o in owners) + key
+    found = _REMEMBERED.get(full)
+    if found is None or any(a is not b for a, b in zip(found[0], owners)):
+        if compute is None:
+            return None
+        found = _REMEMBERED[full] = (owners, compute())
+    return found[1]
 
 
 def posterior_draws(system, samples: int) -> tuple:
     """perfsim.uncertainty.posterior.profile_draws(system, samples), taken once per process."""
     from perfsim.uncertainty.posterior import profile_draws
 
-    key = (id(system), samples)
-    if key not in _DRAWN or _DRAWN[key][0] is not system:
-        _DRAWN[key] = (system, profile_draws(system, samples))
-    return _DRAWN[key][1]
+    return _remembered((system,), ("draws", samples), lambda: profile_draws(system, samples))
 
 
 def draws_of(system, samples: int) -> tuple:
@@ -70,10 +82,16 @@ def plan_spreads(model, system, plans: list, samples: int, dtype: str = "bf16") 
     from perfsim.uncertainty.sampling import evaluate_plans
 
     draws, posterior = posterior_draws(system, samples)
-    r = evaluate_plans(model, draws, plans, dtype, parts=True)  # one call per plan family and link configuration
-    return ([summary_of(r["step_time_s"][i], r["tokens_per_s"][i], r["memory_total_bytes"][i],
-                        {part: v[i] for part, v in r["time_breakdown_s"].items()}) for i in range(len(plans))],
-            posterior, posterior.unexplained_text() if posterior is not None else "")
+    owners, key = (model, system), lambda plan: ("spread", samples, dtype, plan)
+    missing = [p for p in dict.fromkeys(plans) if _remembered(owners, key(p)) is None]
+    if missing:
+        r = evaluate_plans(model, draws, missing, dtype, parts=True)  # one call per plan family and link configuration
+        for i, plan in enumerate(missing):
+            _remembered(owners, key(plan), lambda i=i: summary_of(
+                r["step_time_s"][i], r["tokens_per_s"][i], r["memory_total_bytes"][i],
+                {part: v[i] for part, v in r["time_breakdown_s"].items()}))
+    return ([_remembered(owners, key(p)) for p in plans], posterior,
+            posterior.unexplained_text() if posterior is not None else "")
 
 
 def find(ranked: list, plan):
@@ -89,9 +107,10 @@ def odds_text(rp, among: str) -> str:
 
 def observation_lines(system, posterior) -> list:
     """Per observation the profile names: its value, what the posterior predicts for it, and
-    whether the ranges can explain it with the others; [] without a posterior."""
+    whether the ranges can explain it with the others (without a posterior, that there is none)."""
     if posterior is None:
-        return []
+        return ["The profile names no observations: the draws are its ranges as they stand, conditioned on no "
+                "published or measured result (docs/profile-format.md, 'Ranges')."]
     from perfsim.uncertainty.posterior import EXPLAINED
 
     unexplained = {obs.name for obs, _ in posterior.unexplained}

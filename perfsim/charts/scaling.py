@@ -54,10 +54,11 @@ def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int
     spreads, unexplained = {}, ""
     if samples:
         from perfsim.charts.robustness import draws_of
-        from perfsim.uncertainty.scaling import scaling_spread
+        from perfsim.uncertainty.scaling import scaling_spreads
 
         draws, unexplained = draws_of(system, samples)
-        spreads = {mode: scaling_spread(model, draws, series, mode == "weak", dtype) for mode, series in points.items()}
+        studies = [(series, mode == "weak") for mode, series in points.items()]
+        spreads = dict(zip(points, scaling_spreads(model, draws, studies, dtype)))
     published = published_points(model, system, base, list(nodes))
     fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.1,
                         subplot_titles=("scaling efficiency against the first point",

@@ -108,9 +108,9 @@ def _spread(args, model, system, points):
 
     from perfsim.uncertainty.posterior import profile_draws
     from perfsim.uncertainty.sampling import DEFAULT_SAMPLES
-    from perfsim.uncertainty.scaling import scaling_spread
+    from perfsim.uncertainty.scaling import scaling_spreads
 
     draws, posterior = profile_draws(system, args.samples or DEFAULT_SAMPLES)
     if posterior is not None and posterior.unexplained:
         print(f"perfsim: note: {posterior.unexplained_text()}", file=sys.stderr)
-    return scaling_spread(model, draws, points, args.weak, args.dtype)
+    return scaling_spreads(model, draws, [(points, args.weak)], args.dtype)[0]

@@ -14,12 +14,18 @@ from perfsim.uncertainty.predict import percentiles
 from perfsim.uncertainty.sampling import evaluate_plans
 
 
-def scaling_spread(model, draws, points, weak: bool, dtype: str = "bf16") -> list:
-    """[{"samples", "step_time_s": {p10, p50, p90}, "efficiency": {...}}] per point of
-    perfsim.scaling.scale's `points`, under `draws` (perfsim.uncertainty.posterior.profile_draws)."""
-    steps = evaluate_plans(model, draws, [p.prediction.plan for p in points], dtype)["step_time_s"]  # points x draws
-    nodes = np.array([p.nodes for p in points], float)
-    ideal_ratio = np.ones_like(nodes) if weak else nodes[0] / nodes  # as perfsim.scaling.scale
-    efficiency = steps[0][None, :] * ideal_ratio[:, None] / steps
-    return [{"samples": int(draws.n), "step_time_s": percentiles(steps[i]), "efficiency": percentiles(efficiency[i])}
-            for i in range(len(points))]
+def scaling_spreads(model, draws, studies: list, dtype: str = "bf16") -> list:
+    """Per study (perfsim.scaling.scale's ScalePoints, weak or not), per point
+    {"samples", "step_time_s": {p10, p50, p90}, "efficiency": {...}} under `draws`
+    (perfsim.uncertainty.posterior.profile_draws); every study's plans priced in one call."""
+    plans = [p.prediction.plan for points, _ in studies for p in points]
+    steps = evaluate_plans(model, draws, plans, dtype)["step_time_s"]  # plans x draws
+    out, start = [], 0
+    for points, weak in studies:
+        study, start = steps[start:start + len(points)], start + len(points)
+        nodes = np.array([p.nodes for p in points], float)
+        ideal_ratio = np.ones_like(nodes) if weak else nodes[0] / nodes  # as perfsim.scaling.scale
+        efficiency = study[0][None, :] * ideal_ratio[:, None] / study
+        out.append([{"samples": int(draws.n), "step_time_s": percentiles(study[i]),
+                     "efficiency": percentiles(efficiency[i])} for i in range(len(points))])
+    return out
