@@ -15,7 +15,7 @@ from perfsim.predict import evaluate
 from perfsim.search import classified, plan_at, valid_batches
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
-from perfsim.spec.system import _OPERATION_TABLES, _OPTIONAL, _RULES, load_system
+from perfsim.spec.system import _OPERATION_TABLES, _OPTIONAL, _RULES, available_systems, load_system
 from perfsim.uncertainty.bounds import faster_when_higher, optimistic_system, pessimistic_numbers, routes
 from perfsim.uncertainty.ranges import FIXED_KEYS, profile_ranges
 from perfsim.uncertainty.robust import WITHIN, rank_space
@@ -79,8 +79,8 @@ def test_step_time_and_memory_are_monotone_in_every_drawn_number(system_name, dt
 
 
 def test_with_the_shipped_ranges_no_latency_reroutes():
-    """The corners of smng-p2's and dgx-a100's ranges route as the profiles do: their bounds prune."""
-    for name in ("smng-p2", "dgx-a100"):
+    """The corners of every shipped profile's ranges route as the profile does: their bounds prune."""
+    for name in available_systems():
         system = load_system(name)
         draws = draw(system, 64, seed=0)
         assert routes(optimistic_system(draws)) == routes(_with_numbers(system, pessimistic_numbers(draws))) \
