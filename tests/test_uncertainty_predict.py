@@ -99,3 +99,15 @@ def test_breakdown_percentiles_follow_the_draws():
     r = evaluate_draws(m, draw(s, 128), columns_of(plan))
     assert summary["time_breakdown_s"]["tp_comm"]["p50"] == pytest.approx(np.percentile(r["time_breakdown_s"]["tp_comm"], 50))
     assert summary["memory_total_bytes"]["p90"] == pytest.approx(np.percentile(r["memory_bytes"]["total"], 90))
+
+
+def test_draws_price_flash_attention_and_fp8_gemms_with_drawn_efficiencies():
+    """dgx-h100 draws its flash efficiencies: as arrays over the draws they took `x or y` in
+    perfsim.cost.layer, which raised (found by the whole-space robust search)."""
+    system, model = load_system("dgx-h100"), load_model("layers=4,hidden=1024,heads=16,seq=2048,vocab=32000")
+    d = draw(system, 16, comm_points=2)
+    plan = Plan(tp=2, pp=1, dp=4, mbs=1, gbs=8, attention="flash")
+    r = evaluate_draws(model, d, columns_of(plan), "fp8")
+    assert np.all(np.isfinite(r["step_time_s"])) and np.ptp(r["step_time_s"]) > 0
+    one = evaluate(model, _with_numbers(system, dict(zip(d.keys, d.values[3]))), columns_of(plan), "fp8")
+    assert float(one["step_time_s"]) == pytest.approx(r["step_time_s"][3], rel=1e-12)

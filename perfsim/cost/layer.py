@@ -218,8 +218,10 @@ def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tupl
     flash efficiencies, or, where it names none, at the GEMM model's efficiency for the scores
     shape; one kernel launch each way."""
     executed = CAUSAL_WORK * 2 * 2.0 * count * m * n * k
-    forward_eff = device.flash_forward_efficiency or gemm_efficiency(device, m, n, k)
-    backward_eff = device.flash_backward_efficiency or forward_eff
+    # `is None`, not `or`: under draws of a profile's ranges these numbers are arrays
+    forward_eff = device.flash_forward_efficiency
+    forward_eff = gemm_efficiency(device, m, n, k) if forward_eff is None else forward_eff
+    backward_eff = forward_eff if device.flash_backward_efficiency is None else device.flash_backward_efficiency
     return (executed / (peak_flops * forward_eff) + device.kernel_overhead_s,
             FLASH_BACKWARD * executed / (peak_flops * backward_eff) + device.kernel_overhead_s)
 
@@ -257,7 +259,7 @@ def gemm_rate(device: Device, peak_flops: float, g: Gemm, fp8=0) -> tuple:
     GEMM's); the attention core, and every GEMM in other dtypes, as given."""
     if not fp8 or g.name in ATTENTION_CORE:
         return device, peak_flops
-    best = device.fp8_gemm_efficiency or device.gemm_efficiency
+    best = device.gemm_efficiency if device.fp8_gemm_efficiency is None else device.fp8_gemm_efficiency
     return replace(device, gemm_efficiency=best), device.peak_flops_fp8
 
 
