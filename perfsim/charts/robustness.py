@@ -1,10 +1,12 @@
 """How sure perfsim is, for the report and the what-if page: one plan's spread over the draws of
 the profile's ranges (its posterior where it names observations), the observations those draws
 are conditioned on and what they cannot explain, and the best plans ranked over the draws with
-P(best) and P(within 5%) (perfsim.uncertainty.robust, as `perfsim search --robust`).
+P(best) and P(within 5%) (perfsim.uncertainty.robust.robust_ranking, as `perfsim search --robust`
+ranks plans).
 
-The numbers are those of the commands: the spread is `perfsim predict --uncertainty`'s (same
-draws, same seed), the ranking `perfsim search --robust`'s over the same candidates.
+The spread is exactly `perfsim predict --uncertainty`'s (same draws, same seed); P(best) is over
+the candidates given (the point search's best plans and yours, or the what-if's fastest at 1x),
+under the draws `perfsim search --robust` takes.
 """
 
 from __future__ import annotations
