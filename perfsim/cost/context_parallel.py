@@ -36,15 +36,16 @@ def ring_step_times(comm, model: ModelSpec, c) -> tuple:
     return block / bandwidth + latency, 2 * block / bandwidth + latency
 
 
-def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backward_s) -> tuple:
+def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backward_s, efficiency=1.0) -> tuple:
     """(forward, backward) exposed seconds of one layer's ring attention per micro-batch on one
     device: cp-1 steps each way, each beside 1/cp of the attention core's forward (backward)
-    time (`core_forward_s`, `core_backward_s`: the rank's whole attention core, all blocks);
+    time (`core_forward_s`, `core_backward_s`: the rank's whole attention core, all blocks), each
+    step hiding the `efficiency` share of the shorter of transfer and block (overlap.ring_exposure);
     0 without context parallelism."""
     if not np.any(np.asarray(c.cp) > 1):  # a batch without cp (the search's usual one) sends nothing
         return 0.0, 0.0
     forward_step, backward_step = ring_step_times(comm, model, c)
     steps = c.cp - 1
-    forward = ring_exposure(forward_step, core_forward_s / c.cp, steps)
-    backward = ring_exposure(backward_step, core_backward_s / c.cp, steps)
+    forward = ring_exposure(forward_step, core_forward_s / c.cp, steps, efficiency)
+    backward = ring_exposure(backward_step, core_backward_s / c.cp, steps, efficiency)
     return np.where(c.cp > 1, forward, 0.0), np.where(c.cp > 1, backward, 0.0)

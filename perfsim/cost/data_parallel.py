@@ -82,7 +82,8 @@ def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, ba
     zero3_overlap share of them that hides behind the `busy` compute time; FSDP2's buffer copies,
     which run on the compute stream and never hide."""
     scatter2, _ = zero_microbatch_times(system, comm, c, params, units if is_fsdp2(system) else 1)
-    zero2 = np.where(c.dp_overlap, overlapped_exposure(scatter2, backward, buckets), scatter2)
+    eta = system.collectives.overlap_or_perfect()
+    zero2 = np.where(c.dp_overlap, overlapped_exposure(scatter2, backward, buckets, eta), scatter2)
     scatters, gather = zero_microbatch_times(system, comm, c, params, units)
     gathers = zero3_gathers(system, c) * gather
     zero3 = gathers + scatters - np.minimum(system.framework.zero3_overlap * (gathers + scatters), busy)

@@ -64,6 +64,7 @@ class StageCosts:
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
     dev, comm = system.device, CommModel(system)
+    eta = system.collectives.overlap_or_perfect()  # what overlapped communication hides (overlap.py)
     # a context-parallel rank's work is that of mbs/cp whole sequences (its s/cp tokens of each, and
     # by causal load balancing 1/cp of their attention): every per-token cost below takes b = mbs/cp
     b, t, p = c.mbs / c.cp, c.tp, c.pp
@@ -78,7 +79,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
         overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
-                                                             c.element * b * model.seq * model.hidden, tp_time, c.fp8)
+                                                             c.element * b * model.seq * model.hidden, tp_time, c.fp8,
+                                                             eta)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
     # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
@@ -90,7 +92,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
     # ring attention beside the attention blocks; recomputation (full or selective) runs the
     # attention core again, and its ring with it
-    layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s)
+    layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s, eta)
     recompute_cp = np.where(c.recompute == NONE, 0.0, layer_cp_fwd)
     n = 1.0  # `middle` is one layer until each stage takes its own count of layers below (_times)
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
@@ -137,20 +139,22 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     return StageCosts(first, middle, last, params_first, params_last)
 
 
-def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0) -> tuple:
+def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0,
+                        efficiency=1.0) -> tuple:
     """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
     (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
     column-parallel GEMM it feeds (QKV, FC1), each reduce-scatter with the row-parallel GEMM it
     leaves (projection, FC2), and likewise backward beside those GEMMs' two backward products;
-    what a GEMM cannot hide, and always one chunk, stays exposed (docs/equations.md 4.2). `gemms`:
+    what a GEMM cannot hide, and always one chunk, stays exposed, and the 1 - `efficiency` share of
+    the rest (collectives.overlap_efficiency; docs/equations.md 4.2, 6.1). `gemms`:
     the layer's GEMMs (tensor_parallel.layer_gemms); `activation_bytes`: the [b, s, h] tensor."""
     gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation_bytes)])
     scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
     gemms = {g.name: gemm_time(*gemm_rate(device, peak_flops, g, fp8), g) for g in gemms}  # fp8: layer.gemm_rate
     pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
     t = layout.size
-    forward = sum(overlapped_exposure(comm, gemms[name], t) for comm, name in pairs)
-    backward = sum(overlapped_exposure(comm, GEMM_BACKWARD * gemms[name], t) for comm, name in pairs)
+    forward = sum(overlapped_exposure(comm, gemms[name], t, efficiency) for comm, name in pairs)
+    backward = sum(overlapped_exposure(comm, GEMM_BACKWARD * gemms[name], t, efficiency) for comm, name in pairs)
     return forward, backward
 
 

@@ -68,9 +68,10 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     # Overlapped (dp_overlap): the reduction bucket by bucket (one per layer) behind the slowest
     # stage's last backward, the gather behind the next step's first forward (docs/equations.md 9.2).
     buckets = slow_stage(lambda s: stage_layer_count(model, c, s))
-    reduction = np.where(c.dp_overlap, overlapped_exposure(reduction, slow["backward"], buckets), reduction)
-    gather = np.where(c.dp_overlap, overlapped_exposure(gather, slow["forward_compute"] + slow["forward_tp"], buckets),
-                      gather)
+    eta = system.collectives.overlap_or_perfect()
+    reduction = np.where(c.dp_overlap, overlapped_exposure(reduction, slow["backward"], buckets, eta), reduction)
+    gather = np.where(c.dp_overlap, overlapped_exposure(gather, slow["forward_compute"] + slow["forward_tp"], buckets,
+                                                        eta), gather)
     breakdown["dp_comm"] = breakdown["dp_comm"] + reduction + gather
 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.

@@ -78,6 +78,9 @@ class StepCosts:
     backward_cp: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))  # exposed waits (backward:
     # recomputation's included)
     dp_overlap: float = 0.0
+    # collectives.overlap_efficiency: the share of overlapped gradient buckets that their pass's
+    # compute hides; the rest lengthens the pass (_contention)
+    overlap_efficiency: float = 1.0
     reduction_rest: dict = field(default_factory=dict)     # ZeRO-0/1, after the last backward
     reduction_bucket: dict = field(default_factory=dict)   # ZeRO-0/1, one bucket during it
     scatter_rest: dict = field(default_factory=dict)       # ZeRO-2, per chunk and micro-batch
@@ -125,6 +128,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
               "last": f(stages.params_last)}
     o = float(np.asarray(c.dp_overlap))  # 1: buckets overlap the last backward (and the gather the next forward)
+    eta = float(system.collectives.overlap_or_perfect())
     layers_per_chunk = max(1, model.layers // (p * v))
     zero = int(c.zero)
 
@@ -142,7 +146,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         forward_cp=per(lambda k: times[k].forward_cp),
         backward_cp=per(lambda k: times[k].cp_comm - times[k].forward_cp),
         hop_s=f(stages.middle.pp_comm) / (2 * v) if p > 1 else 0.0,
-        dp=dp, zero=zero, dp_overlap=o, recompute_full=int(c.recompute) == 2,
+        dp=dp, zero=zero, dp_overlap=o, overlap_efficiency=eta, recompute_full=int(c.recompute) == 2,
         overhead_s=float(system.framework.step_overhead_s),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
         optimizer=per(lambda k: optimizer_time(system, c, params[k])
@@ -179,7 +183,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
             # of it that forward cannot hide is drawn here, where the step that needs it begins
             gather = per(lambda k: step_reduction_time(system, comm, c, params[k], units[k] * v)[1])
             forward = {k: costs.forward_compute[k] + costs.forward_tp[k] for k in POSITIONS}
-            costs.post_gather = {k: overlapped_exposure(g, forward[k], layers_per_chunk * v) if o else g
+            costs.post_gather = {k: overlapped_exposure(g, forward[k], layers_per_chunk * v, eta) if o else g
                                  for k, g in gather.items()}
     _place(costs, system, c)
     return costs
@@ -351,6 +355,9 @@ def build(costs: StepCosts):
         for index, entry in enumerate(order):
             kind, j, chunk = entry
             segments, work, tail, links, cls, split_tp, target, receives_data = templates[kind, chunk]
+            if dp_work and kind == grad_kind and k.overlap_efficiency < 1.0:
+                extra = _contention(k, pos, segments, index == last_grad.get(chunk), nb)
+                segments, work = ((DP, extra),) + segments, work + extra
             if index in pending:
                 task = add(work, (last, pending.pop(index)), links, cls, tail)
             else:
@@ -412,25 +419,46 @@ def _backward_target(i, chunk, p, v):
     return (p - 1, chunk - 1) if chunk > 0 else None
 
 
+def _bucket(k: StepCosts, pos: str, last: bool) -> float:
+    """Seconds of one overlapped gradient bucket of a gradient-producing pass (ZeRO-0/1: only the
+    chunk's last such pass reduces)."""
+    if k.zero <= 1:
+        return k.reduction_bucket.get(pos, 0.0) if last else 0.0
+    return k.scatter_bucket.get(pos, 0.0)
+
+
+def _release_window(segments) -> tuple:
+    """(seconds before the pass's buckets start to be released, seconds over which they are)."""
+    offset, grad = 0.0, 0.0
+    for kind, d in segments:
+        if kind == COMPUTE:
+            return offset, grad + d
+        if kind == CP:  # the ring's waits sit inside the layers whose buckets follow
+            grad += d
+            continue
+        offset += d
+    return offset, grad
+
+
+def _contention(k: StepCosts, pos: str, segments, last: bool, nb: int) -> float:
+    """Seconds a gradient-producing pass is lengthened by the buckets it hides when overlap is
+    imperfect: the 1 - overlap_efficiency share of what its compute hides of them, as the closed
+    form charges it (overlap.overlapped_exposure; docs/equations.md 6.1)."""
+    total = nb * _bucket(k, pos, last)
+    if total <= 0:
+        return 0.0
+    window = _release_window(segments)[1]
+    return float(overlapped_exposure(total, window, nb, k.overlap_efficiency) - overlapped_exposure(total, window, nb))
+
+
 def _reduce(b: _Builder, k: StepCosts, i: int, pos: str, chunk: int, pass_task: int, segments, last: bool,
             links, nb: int) -> None:
     """Gradient buckets of one gradient-producing pass: released one by one as the pass's
     compute segment runs (one bucket per layer), reduced on the data-parallel stream; ZeRO-2's
     non-overlapped share blocks the compute stream after the pass."""
-    if k.zero <= 1:
-        bucket = k.reduction_bucket.get(pos, 0.0) if last else 0.0
-    else:
-        bucket = k.scatter_bucket.get(pos, 0.0)
+    bucket = _bucket(k, pos, last)
     if bucket > 0:
-        offset, grad = 0.0, 0.0
-        for kind, d in segments:
-            if kind == COMPUTE:
-                grad += d
-                break
-            if kind == CP:  # the ring's waits sit inside the layers whose buckets follow
-                grad += d
-                continue
-            offset += d
+        offset, grad = _release_window(segments)
         for n in range(nb):
             t = b.task(i, ((DP, bucket),), ("bucket", n, chunk), links=links, cls=DP_TRAFFIC, stream="side")
             b.g.after_start(t, pass_task, offset + grad * (n + 1) / nb)

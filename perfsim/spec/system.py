@@ -129,6 +129,15 @@ class Collectives:
     # Optional measured tables ([collectives.measured.<op>.<dtype>], perfsim.cost.measured): each
     # operation's calls by group size, stride and bytes, correcting the link model near them
     measured: tuple = ()
+    # Optional, in (0, 1]: the share of the shorter of (overlapped communication, the compute beside
+    # it) that running them together hides (perfsim.cost.overlap; docs/equations.md 6.1). 1: all of
+    # it; a CPU rank whose collective threads compete with the GEMMs for the cores hides less.
+    # None: the profile leaves it out (`overlap_or_perfect` gives 1).
+    overlap_efficiency: float | None = None
+
+    def overlap_or_perfect(self) -> float:
+        """overlap_efficiency, or 1 (perfect overlap) when the profile leaves it out."""
+        return 1.0 if self.overlap_efficiency is None else self.overlap_efficiency
 
     def operation_factors(self, op: str) -> tuple[float, float, float]:
         """(efficiency, latency factor, step overhead in s) of one operation; (1, 1, 0) when the
@@ -202,7 +211,7 @@ _RULES = {
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
     "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name.endswith("_efficiency")
-                    and f"collectives.{f.name}" not in _OPERATION_TABLES},
+                    and f"collectives.{f.name}" not in _OPERATION_TABLES and f.name != "overlap_efficiency"},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
@@ -211,6 +220,7 @@ _RULES = {
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
                            "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True),
                            "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG},
+             "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
