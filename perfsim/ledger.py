@@ -199,6 +199,10 @@ def calibration_problem(record) -> str | None:
             return f"has unknown collective op {record['op']!r}"
         if not _whole(record.get("nbytes")):
             return "has no nbytes"
+        if record.get("timing") == "concurrent" and not all(  # perfsim.calibrate.overlap reads both sides
+                _seconds_table(record.get(k)) and _number(record[k].get("median_s")) and record[k]["median_s"] > 0
+                for k in ("alone_stats", "burst_stats")):
+            return "is timed concurrent without alone_stats and burst_stats holding a positive median_s"
         return _group_problem(record, 2)
     if suite == "memory" and not (_number(record.get("nbytes")) and 0 < record["nbytes"] <= LARGEST_SIZE):
         return "has no nbytes"

@@ -170,7 +170,12 @@ def measure(torch, device, comm, point, options: Options) -> dict:
             from validate.tp_overhead import measure_point
 
             return measure_point(torch, device, comm, point)
-        if point.suite == "collective":
+        if point.timing == mb.CONCURRENT_TIMING:  # beside a compute burst: the call together with it
+            rounds = comm.time_concurrent(point, options.repeats, options.warmup)
+            times, number = rounds["both"], 1
+            counts = {"nbytes": comm.nbytes(point), "alone_stats": mb.Stats(rounds["alone"]).as_dict(1),
+                      "burst_stats": mb.Stats(rounds["burst"]).as_dict(1)}
+        elif point.suite == "collective":
             fn = comm.make(point)
             # how a call is timed (microbench.Point.timing): alone after a compute burst, back to
             # back, or back to back after a barrier

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.calibrate import SUITES
+from perfsim.calibrate.overlap import CONCURRENT_TIMING  # noqa: F401 (campaign.measure reads it here)
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, layer_memory_ops
@@ -90,7 +91,9 @@ class Point:
     # compute on every rank and no barrier, as a training step issues it between its GEMMs;
     # "stream": calls back to back with no barrier between repetitions (as nccl-tests times them);
     # "" (the first ledgers): a barrier before every few back-to-back calls. On gloo the barrier
-    # catches a fast path that steps rarely see (docs/calibration.md, section 4).
+    # catches a fast path that steps rarely see (docs/calibration.md, section 4). "concurrent": the
+    # call started asynchronously while a compute burst as long as the call runs on the same rank,
+    # timed together with the burst and the call alone in alternation (Communicator.time_concurrent).
     # GEMMs: "rotate": successive calls cycle through copies of the operands that together exceed
     # the last-level cache, so every call finds its operands in memory, as a step's weights (last
     # touched a layer ago) are; "" (the first ledgers): the same operands every call, in cache.
@@ -141,6 +144,12 @@ STREAM_MIN_CALLS = 8  # calls per repetition at least, so the stream's steady st
 BURST_GEMM = {"cpu": (512, 768, 512), "gpu": (8192, 8192, 4096)}
 BURST_SECONDS = {"cpu": 3e-3, "gpu": 3e-4}
 BURST_DTYPE = {"cpu": "fp32", "gpu": "bf16"}
+# Collectives beside compute ("concurrent" points, the data of collectives.overlap_efficiency): the
+# operations a step overlaps with compute (gradient buckets, ZeRO gathers, tp chunks, the cp ring's
+# sends), in the dtype steps send, at a few sizes up to the sweep's largest; few, as calibration
+# time matters.
+CONCURRENT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+CONCURRENT_BYTES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 
 
 def burst_rows(rows: int, seconds: float, target: float) -> int:
@@ -367,6 +376,12 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                     for nbytes in sweep.collective_bytes:
                         add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
                                   timing=COLLECTIVE_TIMING))
+        dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
+        for size, stride in group_shapes(model, plan, world, ranks_per_node):
+            for op in CONCURRENT_OPS:
+                for nbytes in (n for n in CONCURRENT_BYTES if n <= max(sweep.collective_bytes)):
+                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                              timing=CONCURRENT_TIMING))
     if "tp_overhead" in suites and plan.tp > 1 and plan.tp_mode == "1d":
         dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for layout in TP_OVERHEAD_LAYOUTS:
@@ -553,6 +568,11 @@ def compute_counts(point: Point) -> dict:
     return {}
 
 
+def _works(result) -> list:
+    """The works an asynchronous collective returned, as a list (none for a synchronous call)."""
+    return [] if result is None else [result]
+
+
 class Communicator:
     """Collectives over the groups of one (size, stride) dimension; every rank calls every method
     (new_group is collective over the whole world)."""
@@ -599,7 +619,48 @@ class Communicator:
         self.torch.matmul(a, b)
         self.device.sync()
 
-    def _sized_burst(self) -> tuple:
+    def burst_of(self, seconds: float):
+        """A no-argument function running the burst GEMM sized to last `seconds` on the slowest rank
+        (without waiting for the device: a concurrent point waits once for both)."""
+        a, b = self._sized_burst(seconds)
+        return lambda: self.torch.matmul(a, b)
+
+    def time_concurrent(self, point: Point, rounds: int, warmup: int) -> dict:
+        """Seconds of the point's collective beside compute, lists over `rounds` rounds: "both" (the
+        call started asynchronously, a burst as long as the call alone run meanwhile on this rank,
+        then waited for), "burst" (that burst alone) and "alone" (the call alone), each after the
+        standard burst as an interleaved call is, the three in alternation so that each round's
+        ratio is taken within a few milliseconds on a drifting machine; the slowest rank's time."""
+        start = self.make(point, async_op=True)
+        timer = self.device.timer()
+
+        def alone():
+            for work in start():
+                work.wait()
+
+        def timed(fn) -> float:
+            self.compute_burst()
+            timer.start()
+            fn()
+            return max(self.agree_max(max(timer.stop(), 1e-9)), 1e-9)
+
+        for _ in range(warmup):
+            alone()
+        burst = self.burst_of(statistics.median(timed(alone) for _ in range(3)))
+
+        def both():
+            works = start()
+            burst()
+            for work in works:
+                work.wait()
+
+        times = {"burst": [], "alone": [], "both": []}
+        for _ in range(rounds):
+            for name, fn in (("burst", burst), ("alone", alone), ("both", both)):
+                times[name].append(timed(fn))
+        return times
+
+    def _sized_burst(self, target: float | None = None) -> tuple:
         torch, dev = self.torch, self.device.torch_device
         kind = "cpu" if self.device.kind == "cpu" else "gpu"
         m, n, k = BURST_GEMM[kind]
@@ -611,11 +672,12 @@ class Communicator:
         torch.matmul(a, b)
         self.device.sync()
         slowest = max(self.gather_values(time.perf_counter() - start))
-        rows = burst_rows(m, slowest, BURST_SECONDS[kind])
+        rows = burst_rows(m, slowest, BURST_SECONDS[kind] if target is None else target)
         return torch.ones(rows, k, dtype=dt, device=dev), b
 
-    def make(self, point: Point):
-        """A no-argument function running the point's collective once on this rank's group."""
+    def make(self, point: Point, async_op: bool = False):
+        """A no-argument function running the point's collective once on this rank's group; with
+        `async_op`, one that starts it and returns the works to wait for (a list)."""
         torch, dist = self.torch, self.dist
         group, members = self.groups[point.group]
         g, me = len(members), members.index(self.rank)
@@ -626,17 +688,17 @@ class Communicator:
         op = point.op
         if op == "all_reduce":
             x = torch.ones(elements, dtype=dt, device=dev)
-            return lambda: dist.all_reduce(x, group=group)
+            return lambda: _works(dist.all_reduce(x, group=group, async_op=async_op))
         if op == "all_gather":
             x = torch.ones(elements // g, dtype=dt, device=dev)
             out = torch.empty(elements, dtype=dt, device=dev)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            return lambda: gather(out, x, group=group)
+            return lambda: _works(gather(out, x, group=group, async_op=async_op))
         if op == "reduce_scatter":
             x = torch.ones(elements, dtype=dt, device=dev)
             out = torch.empty(elements // g, dtype=dt, device=dev)
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            return lambda: scatter(out, x, group=group)
+            return lambda: _works(scatter(out, x, group=group, async_op=async_op))
         if op == "broadcast":
             x = torch.ones(elements, dtype=dt, device=dev)
             return lambda: dist.broadcast(x, src=members[0], group=group)
@@ -653,7 +715,10 @@ class Communicator:
                     ops.append(dist.P2POp(dist.isend, x, members[me + 1], group=group))
                 if me > 0:
                     ops.append(dist.P2POp(dist.irecv, y, members[me - 1], group=group))
-                for work in dist.batch_isend_irecv(ops):
+                works = dist.batch_isend_irecv(ops)
+                if async_op:
+                    return works
+                for work in works:
                     work.wait()
             return exchange
         raise ValueError(f"unknown collective {op}")

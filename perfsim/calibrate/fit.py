@@ -16,6 +16,7 @@ from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, GEMM_TIMI
 from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
 from perfsim.calibrate.memory import fit_memory
 from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
+from perfsim.calibrate.overlap import fit_overlap, is_concurrent
 from perfsim.calibrate.profile import calibrated_profile
 from perfsim.calibrate.report import format_report
 from perfsim.calibrate.tables import measured_tables
@@ -47,6 +48,9 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
             usable.append({**r, "_t": float(t)})
     if not usable:
         raise PerfsimError(f"ledger {ledger_name} has no usable measurements to fit")
+    # collectives timed beside compute give the overlap efficiency alone (perfsim.calibrate.overlap)
+    concurrent = [r for r in usable if is_concurrent(r)]
+    usable = [r for r in usable if not is_concurrent(r)]
     base = dataclasses.replace(base, device=dataclasses.replace(base.device, measured=()),  # tables of another ledger
                                collectives=dataclasses.replace(base.collectives, measured=()))
     cpu_clocked = sum(1 for r in usable if clock == "auto" and isinstance(r.get("cpu_stats"), dict))
@@ -84,6 +88,9 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values.update(v), quality.extend(q), notes.extend(n)
     v, n = fit_tp_overhead(usable, ledger_name)
     values.update(v), notes.extend(n)
+    system = with_values(system, v)
+    v, q, n = fit_overlap(concurrent, ledger_name)
+    values.update(v), quality.extend(q), notes.extend(n)
     system = with_values(system, v)
     quality.extend(check_attention(usable, system))
     device_tables, collective_tables, q, n = measured_tables(timed, system, ledger_name, statistic == "expected")

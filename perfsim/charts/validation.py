@@ -39,6 +39,7 @@ SUITE_SYMBOLS = {"gemm": "circle", "memory": "square", "collective": "diamond", 
 
 def _predicted(system, records: list) -> tuple:
     """(predicted seconds per record, NaN where perfsim has no prediction, and notes)."""
+    from perfsim.calibrate.overlap import is_concurrent
     from perfsim.cost.layer import Gemm, gemm_time, measured_memory_op, memory_time
     from perfsim.predict import peak_flops
     from perfsim.spec.system import for_dtype
@@ -62,7 +63,7 @@ def _predicted(system, records: list) -> tuple:
         elif r["suite"] == "memory":
             op, backward = measured_memory_op(r["op"], float(r["nbytes"]))  # its kind and direction
             out[i] = float(memory_time(for_dtype(system, r["dtype"]).device, op, backward))
-        elif r["suite"] == "collective":
+        elif r["suite"] == "collective" and not is_concurrent(r):  # beside compute: a ratio, no call's time
             collectives.append(i)
     if collectives:
         from perfsim.calibrate import collective_times

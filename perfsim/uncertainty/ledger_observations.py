@@ -103,6 +103,7 @@ def ledger_observations(path: str, system) -> tuple:
     numbers (its device and links: a ledger from another machine explains nothing)."""
     from perfsim.calibrate.collectives import link_class
     from perfsim.calibrate.common import ELEMENTWISE_OPS, statistic_key
+    from perfsim.calibrate.overlap import is_concurrent
     from perfsim.spec.system import BACKWARD
     from perfsim.ledger import read_ledger
     from perfsim.predict import peak_flops
@@ -110,8 +111,8 @@ def ledger_observations(path: str, system) -> tuple:
     records, _ = read_ledger(path)
     usable = []
     for r in records:
-        if "error" in r or r["suite"] not in ("gemm", "memory", "collective"):
-            continue
+        if "error" in r or r["suite"] not in ("gemm", "memory", "collective") or is_concurrent(r):
+            continue  # a collective timed beside compute measures the overlap, not the call's time
         t = r["stats"].get(statistic_key("expected", r["suite"]), r["stats"]["median_s"])
         if isinstance(t, (int, float)) and t > 0:
             usable.append({**r, "_t": float(t)})
