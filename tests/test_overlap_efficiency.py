@@ -95,6 +95,13 @@ def test_eta_below_one_slows_both_engines_alike(plan):
     assert closed[1] - closed[0] == pytest.approx((closed[2] - closed[0]) / 2, rel=1e-9)
 
 
+def test_zero3_keeps_its_own_overlap_share_in_both_engines():
+    """ZeRO-3's prefetch is priced by framework.zero3_overlap, fitted on whole steps: eta leaves it."""
+    system, plan = load_system("dgx-h100"), Plan(dp=8, zero=3, mbs=1, gbs=16, dp_overlap=True)
+    for engine in (predict, predict_simulated):
+        assert engine(MODEL, with_eta(system, 0.3), plan).step_time_s == engine(MODEL, system, plan).step_time_s
+
+
 def test_the_profile_takes_it_as_an_optional_fraction_with_provenance(tmp_path):
     data = read_toml(load_system("dgx-h100").path, "profile")
     data["collectives"]["overlap_efficiency"] = {"value": 0.7, "provenance": "calibrated", "source": "a test"}

@@ -13,7 +13,9 @@ Four suites, each a list of `Point`s (what to measure) and a way to time one:
   step with flash attention runs (validate.gpt), forward and backward, whose times become the
   profile's flash efficiencies and measured tables;
 - collective: all-reduce, all-gather, reduce-scatter, broadcast, reduce and send/recv over message
-  sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses;
+  sizes from 1 KiB up to a cap (256 MiB by default) and over every group shape the plan uses; and
+  a few "concurrent" points, each call timed beside a compute burst on the same rank
+  (Communicator.time_concurrent: collectives.overlap_efficiency);
 - tp_overhead: with 1d tensor parallelism in the plan, the host time DTensor's tensor-parallel
   layer takes beyond Megatron's, without and with SP (validate/tp_overhead.py), at the model's
   hidden size and heads.

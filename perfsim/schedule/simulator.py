@@ -443,8 +443,9 @@ def _release_window(segments) -> tuple:
 def _contention(k: StepCosts, pos: str, segments, last: bool, nb: int) -> float:
     """Seconds a gradient-producing pass is lengthened by the buckets it hides when overlap is
     imperfect: the 1 - overlap_efficiency share of what its compute hides of them, as the closed
-    form charges it (overlap.overlapped_exposure; docs/equations.md 6.1)."""
-    total = nb * _bucket(k, pos, last)
+    form charges it (overlap.overlapped_exposure; docs/equations.md 6.1). ZeRO-3's prefetch keeps
+    framework.zero3_overlap, which already holds its slowdown, in both engines."""
+    total = nb * _bucket(k, pos, last) if k.zero <= 2 else 0.0
     if total <= 0:
         return 0.0
     window = _release_window(segments)[1]
