@@ -120,7 +120,8 @@ def precompute(model, system, devices: int, gbs: int, fixes: dict | None = None,
 
 
 def _leaders(groups: list, results: list) -> tuple:
-    """The robust.CANDIDATES fastest plans that fit, fastest first (as perfsim search --robust takes its candidates)."""
+    """The robust.CANDIDATES fastest plans that fit, fastest first: the page ranks these over the draws
+    (perfsim search --robust ranks the whole space, so its P(best) may differ)."""
     from perfsim.uncertainty.robust import CANDIDATES
 
     found = []
