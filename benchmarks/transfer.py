@@ -62,8 +62,8 @@ def held_out(report: str) -> dict:
         text = line.lstrip("# ").strip()
         if "held-out" not in text:
             continue
-        value = text.split("held-out")[1].split("%")[0].strip()
-        if not value or value == "-":
+        value = text.split("held-out")[1].split()[0].rstrip("%")  # "12.3%", or "-" where none was held out
+        if value == "-":
             continue
         words = text.split()
         if text.startswith("table "):
