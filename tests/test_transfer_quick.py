@@ -44,7 +44,9 @@ def test_the_loop_calibrates_from_scratch_and_validates_against_its_own_profile(
     validation = [json.loads(line) for line in (out / "generic" / "validation.jsonl").read_text().splitlines()]
     assert len(validation) == row["plans"] == 2
     assert all(r["system"] == "cpu-generic" for r in validation)
-    assert {"gemm", "collectives", "overheads"} <= set(row["held_out"])
+    # the GEMM curve's and the overheads' rows always report a held-out figure (a table, of
+    # collectives say, is kept only where it beats its curve: at smoke-test sizes, not always)
+    assert {"gemm", "overheads"} <= set(row["held_out"])
     assert 0 <= row["step_mape"] < 10  # finite; its size is the full benchmark's business
     assert row["memory_mean"] <= 0.15, "peak memory does not depend on the machine's speed"
     assert "| generic |" in proc.stdout
