@@ -111,8 +111,8 @@ def run_case(torch, model, name: str, mbs: int) -> dict:
     lse_shape = (mbs, model.heads // tp, model.seq // cp)  # the ring's log-sum-exp, fp32
     from validate.context_parallel import fused_block_kernels
 
-    fused = not name.endswith(EXPLICIT) and fused_block_kernels(tokens.new_empty((1,), dtype=torch.bfloat16 if bf16
-                                                                                 else torch.float32)) is not None
+    probe = torch.empty(0, dtype=torch.bfloat16 if bf16 else torch.float32)  # the blocks' device and dtype
+    fused = not name.endswith(EXPLICIT) and fused_block_kernels(probe) is not None
     return {
         "blocks": "fused" if fused else "explicit",
         "dtype": "bf16" if bf16 else "fp32", "loss": float(mean_loss) / (dp * cp), "reference_loss": float(ref_loss.detach()),

@@ -117,6 +117,8 @@ def fit_flash(records, system, kind, ledger):
         if not fit:
             continue
         ideal = flash_curve_times(unit, peak, *_flash_shapes(fit))[direction]  # seconds at 100% of peak, no launch
+        # less one launch, but never below a tenth of the time: a launch overhead fitted above a tiny
+        # kernel's time would otherwise make its efficiency negative or unbounded
         busy = np.maximum(measured_times(fit) - dev.kernel_overhead_s, 0.1 * measured_times(fit))
         eff = float(np.exp(np.mean(np.log(ideal / busy))))
         if eff > 1.0:

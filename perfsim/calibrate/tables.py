@@ -20,16 +20,22 @@ from perfsim.errors import PerfsimError
 GEMM_SHAPE = ("count", "m", "n", "k")
 
 
-def _gemm_curve(system, dtype: str):
-    """seconds(count, m, n, k) of the fitted GEMM model in `dtype`, None without a peak for it."""
-    from perfsim.cost.layer import gemm_curve_time
+def _peak(system, dtype: str):
+    """The profile's peak FLOP/s in `dtype`, None where it has none."""
     from perfsim.predict import peak_flops
 
     try:
-        peak = peak_flops(system, dtype)
+        return peak_flops(system, dtype)
     except PerfsimError:
         return None
-    return lambda count, m, n, k: gemm_curve_time(system.device, peak, count, m, n, k)  # noqa: E731
+
+
+def _gemm_curve(system, dtype: str):
+    """seconds(count, m, n, k) of the fitted GEMM model in `dtype`, None without a peak for it."""
+    from perfsim.cost.layer import gemm_curve_time
+
+    peak = _peak(system, dtype)
+    return None if peak is None else lambda count, m, n, k: gemm_curve_time(system.device, peak, count, m, n, k)
 
 
 def _memory_curve(system, name: str):
@@ -45,14 +51,10 @@ def _memory_curve(system, name: str):
 def _flash_curve(system, dtype: str, kernel: str):
     """seconds(count, m, n, k) of the fitted flash-attention model, forward or backward, in `dtype`."""
     from perfsim.cost.layer import flash_curve_times
-    from perfsim.predict import peak_flops
 
-    try:
-        peak = peak_flops(system, dtype)
-    except PerfsimError:
-        return None
-    direction = measured.FLASH_KERNELS.index(kernel)
-    return lambda count, m, n, k: flash_curve_times(system.device, peak, count, m, n, k)[direction]  # noqa: E731
+    peak, direction = _peak(system, dtype), measured.FLASH_KERNELS.index(kernel)
+    return None if peak is None else lambda count, m, n, k: flash_curve_times(system.device, peak, count, m, n,
+                                                                                k)[direction]
 
 
 def _collective_curve(system, op: str):

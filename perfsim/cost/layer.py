@@ -233,12 +233,12 @@ def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tu
     shape = [scores.count, scores.m, scores.n, scores.k]
     curves = flash_curve_times(device, peak_flops, *shape)
     out = []
-    for kernel, curve in zip(measured.FLASH_KERNELS, curves):
+    for direction, (kernel, curve) in enumerate(zip(measured.FLASH_KERNELS, curves)):
         table = measured.find_table(device.measured, kernel, device.kernel_dtype)
         if table is None or peak_flops != getattr(device, f"peak_flops_{table.dtype}", None):
             out.append((curve, 1.0))
             continue
-        at_points = flash_curve_times(device, peak_flops, *table.coordinates_linear())[len(out)]
+        at_points = flash_curve_times(device, peak_flops, *table.coordinates_linear())[direction]
         factor, share = measured.correction(table, shape, at_points)
         out.append((curve * factor, share))
     (forward, forward_share), (backward, backward_share) = out
@@ -292,7 +292,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
         total.time_s = total.time_s + time
         total.backward_s = total.backward_s + GEMM_BACKWARD * time
         total.curve_s = total.curve_s + share * (1 + GEMM_BACKWARD) * time
-        if g.name == ATTENTION_CORE[0]:
+        if g.name == ATTENTION_CORE[0] and np.any(flash):  # no table lookups for batches without a flash plan
             forward, backward, forward_share, backward_share = flash_attention_times(device, peak_flops, g)
             total.time_s = total.time_s + flash * forward
             total.core_time_s = total.core_time_s + flash * forward
