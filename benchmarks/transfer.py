@@ -2,7 +2,7 @@
 environment (instruction sets, threads), from scratch: `perfsim calibrate`, then `perfsim validate`
 against that profile on a model the calibration never saw (issue 15's acceptance loop).
 
-    python benchmarks/transfer.py [--settings avx2,generic,...] [--quick] [--out DIR] [--nproc 2]
+    python benchmarks/transfer.py [--settings avx2,generic,...] [--quick] [--plan-aware] [--out DIR]
 
 Each setting gets DIR/<setting>/ with its calibration ledger (and its -overheads ledger), the
 calibrated profile and the validation ledger; all are appended to and resumed, so a run that is
@@ -11,7 +11,10 @@ per setting: calibrate and validate wall time, held-out kernel MAPE by kind, and
 step-time MAPE and max, peak-memory mean and max, over the plans. --quick runs the smoke-test
 sizes (calibrate --quick without the tp_overhead suite, a smaller validation model, two plans, one
 timed step): a minute or two per setting, for CI (tests/test_transfer_quick.py), which checks that
-the loop runs from scratch on another "machine", not how accurate it is.
+the loop runs from scratch on another "machine", not how accurate it is. --plan-aware calibrates for
+the validation model and its plans instead (`perfsim calibrate --model M --plans P1;P2;...`, the
+issue's second case): each setting's row is then named <setting>-plan and its files go to
+DIR/<setting>-plan/.
 """
 
 from __future__ import annotations
@@ -90,7 +93,23 @@ def held_out(report: str) -> dict:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def run_setting(name: str, setting: dict, out: str, quick: bool, log) -> dict:
+def validation_plans(nproc: int, model_spec: str) -> str:
+    """The plans `perfsim validate` runs by default on `nproc` ranks for `model_spec`, as --plans text
+    (each plan's fields that differ from a default Plan's)."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from validate.timing import default_plans
+
+    default = Plan().as_dict()
+    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return ";".join(",".join(f"{k}={text(v)}" for k, v in plan.as_dict().items() if v != default[k])
+                    for plan in default_plans(nproc, load_model(model_spec)))
+
+
+def run_setting(name: str, setting: dict, out: str, quick: bool, log, plan_aware: bool = False) -> dict:
+    model = QUICK_MODEL if quick else VALIDATION_MODEL
+    if plan_aware:
+        name += "-plan"
     where = os.path.join(out, name)
     os.makedirs(where, exist_ok=True)
     env = {**setting["env"], "OMP_NUM_THREADS": str(setting["threads"])}
@@ -99,11 +118,14 @@ def run_setting(name: str, setting: dict, out: str, quick: bool, log) -> dict:
     calibrate = ["calibrate", "--device", "cpu", "--nproc", str(nproc), "--threads", str(threads), "--dtypes", "fp32",
                  "--system", "cpu-example", "--ledger", os.path.join(where, "calibration.jsonl"), "--out", profile,
                  "--name", f"cpu-{name}"] + (["--quick", "--suites", QUICK_SUITES] if quick else [])
+    if plan_aware:
+        plans = QUICK_PLANS[nproc] if quick else validation_plans(nproc, model)
+        calibrate += ["--model", model, "--plans", plans]
     code, report, cal_s = perfsim(calibrate, env, log)
     if code:
         return {"setting": name, "error": f"calibrate exited {code}"}
     validate = ["validate", "--device", "cpu", "--nproc", str(nproc), "--threads", str(threads), "--dtype", "fp32",
-                "--system", profile, "--model", QUICK_MODEL if quick else VALIDATION_MODEL,
+                "--system", profile, "--model", model,
                 "--ledger", os.path.join(where, "validation.jsonl"),
                 "--json"] + (["--plans", QUICK_PLANS[nproc], "--steps", "1"] if quick else [])
     code, text, val_s = perfsim(validate, env, log)
@@ -146,6 +168,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes")
+    parser.add_argument("--plan-aware", action="store_true",
+                        help="calibrate for the validation model and plans (calibrate --model --plans)")
     parser.add_argument("--out", default="transfer-runs", help="folder of the ledgers, profiles and table")
     args = parser.parse_args(argv)
     names = [s for s in args.settings.split(",") if s]
@@ -157,7 +181,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "transfer.log"), "a") as log:
         for name in names:
             print(f"[{len(rows) + 1}/{len(names)}] {name} ...", file=sys.stderr, flush=True)
-            rows.append(run_setting(name, SETTINGS[name], args.out, args.quick, log))
+            rows.append(run_setting(name, SETTINGS[name], args.out, args.quick, log, args.plan_aware))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows)
     print(text)

@@ -587,3 +587,16 @@ def test_a_kind_no_bandwidth_explains_keeps_memory_efficiency():
     assert "device.operation_memory_efficiency.layernorm" not in calibration.values
     assert "device.operation_memory_efficiency.softmax" in calibration.values
     assert any("ran into its bounds" in n and "layernorm" in n for n in calibration.notes)
+
+
+def test_the_collective_notes_give_the_measurements_own_precision():
+    """Held-out collectives cannot come closer than the points' means are known: the note gives the
+    standard error of each point's mean (std_s is the population's, over `repeats` repetitions)."""
+    from perfsim.calibrate.collectives import _repetition_spread
+
+    def record(mean, std, n):
+        return {"nbytes": 1 << 20, "stats": {"min_s": mean / 2, "median_s": mean, "mean_s": mean, "std_s": std,
+                                             "repeats": n}}
+    # population std 0.3 over 10 repetitions: sample std 0.3 * sqrt(10/9), standard error that / sqrt(10)
+    note = _repetition_spread([record(1.0, 0.3, 10), record(2.0, 0.6, 10), record(1.0, 0.3, 10)])
+    assert "known to 10.0% (standard error" in note

@@ -81,3 +81,71 @@ def test_the_collective_burst_is_sized_in_seconds_not_in_a_shape():
     assert burst_rows(512, 1e-9, 3e-3) == 64 * 512
     assert burst_rows(512, 0.0, 3e-3) == 512
     assert burst_rows(512, 6e-3, 3e-3) == 256
+
+
+def bimodal_run(more, seed: int = 0, repeats: int = 5):
+    """A collective like gloo's on a shared CPU: 0.3 ms, or 4 ms when a scheduler tick intervenes
+    (40% of calls); one call per repetition, as interleaved collectives are timed."""
+    import random
+
+    clock, rng = Clock(), random.Random(seed)
+
+    def fn():
+        clock.now += 4e-3 if rng.random() < 0.4 else 3e-4
+    times, _, _ = mb.repetitions(FakeDevice(clock), fn, 2, repeats, 2e-3, max_number=1, max_repeats_factor=1,
+                                 more=more)
+    return times
+
+
+def test_scattered_calls_are_repeated_until_their_mean_is_precise():
+    """The mean is what a step pays per call; at the planned repetitions a bimodal call's mean is
+    off by tens of percent, repeated until its standard error is COLLECTIVE_PRECISION it is close."""
+    true_mean = 0.4 * 4e-3 + 0.6 * 3e-4
+    planned = [bimodal_run(None, seed) for seed in range(20)]
+    precise = [bimodal_run(lambda t: mb.relative_standard_error(t) > mb.COLLECTIVE_PRECISION, seed) for seed in range(20)]
+    assert all(len(t) == 5 for t in planned)
+    assert all(len(t) > 5 and len(t) % 5 == 0 and mb.relative_standard_error(t) <= mb.COLLECTIVE_PRECISION
+               for t in precise)
+    err = lambda runs: max(abs(sum(t) / len(t) / true_mean - 1) for t in runs)  # noqa: E731
+    assert err(planned) > 0.3
+    assert err(precise) < 0.15
+
+
+def test_steady_calls_stop_at_the_planned_repetitions():
+    asked = []
+    times, number, _ = mb.repetitions(FakeDevice(Clock()), lambda: None, 2, 5, 2e-3, max_number=1,
+                                      more=lambda t: asked.append(len(t)) or False)
+    assert asked == [len(times)] and len(times) >= 5
+
+
+def test_relative_standard_error():
+    assert mb.relative_standard_error([1.0]) == float("inf")
+    assert mb.relative_standard_error([1.0, 1.0, 1.0]) == 0.0
+    assert mb.relative_standard_error([1.0, 3.0]) == pytest.approx(2 ** 0.5 / 2 ** 0.5 / 2)
+
+
+class EchoComm:
+    """One rank's view of a world whose ranks all timed the same values."""
+
+    def __init__(self):
+        self.agreed = []
+
+    def max_each(self, values):
+        return list(values)
+
+    def agree_max(self, value):
+        self.agreed.append(value)
+        return value
+
+
+def test_the_campaign_asks_for_more_only_while_loose_and_within_budget():
+    import time
+
+    from validate.campaign import precise_mean
+
+    comm = EchoComm()
+    loose, tight = [1e-3, 4e-3] * 3, [1e-3] * 6
+    assert precise_mean(comm, time.monotonic())(loose) is True
+    assert precise_mean(comm, time.monotonic())(tight) is False
+    assert precise_mean(comm, time.monotonic() - 2 * mb.COLLECTIVE_POINT_BUDGET_S)(loose) is False
+    assert comm.agreed == [1.0, 0.0, 0.0]  # every rank's wish is agreed: one asking is enough

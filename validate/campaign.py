@@ -159,6 +159,19 @@ def run_worker(options: Options, environ=None, out=None) -> int:
             dist.destroy_process_group()
 
 
+def precise_mean(comm, started: float):
+    """microbench.repetitions' `more` for a collective: another batch while the slowest rank's
+    repetitions leave their mean less precise than COLLECTIVE_PRECISION and the point is within
+    COLLECTIVE_POINT_BUDGET_S of `started` on some rank (every rank gets the same answer)."""
+    from validate import microbench as mb
+
+    def more(times: list) -> bool:
+        loose = mb.relative_standard_error(comm.max_each(times)) > mb.COLLECTIVE_PRECISION
+        within = time.monotonic() - started < mb.COLLECTIVE_POINT_BUDGET_S
+        return bool(comm.agree_max(1.0 if loose and within else 0.0))
+    return more
+
+
 def measure(torch, device, comm, point, options: Options) -> dict:
     """Time one point on every rank; the record's fields (stats, counts, per-rank medians)."""
     from validate import microbench as mb
@@ -182,8 +195,9 @@ def measure(torch, device, comm, point, options: Options) -> dict:
             before, numbers = {"interleaved": (comm.compute_burst, {"max_number": 1}),
                                "stream": (None, {"min_number": mb.STREAM_MIN_CALLS})}.get(point.timing,
                                                                                           (comm.barrier, {}))
+            more = None if options.quick else precise_mean(comm, time.monotonic())
             times, number, _ = mb.repetitions(device, fn, options.warmup, options.repeats, options.min_time_s,
-                                              agree=comm.agree_max, before=before, **numbers)
+                                              agree=comm.agree_max, before=before, more=more, **numbers)
             times = comm.max_each(times)
             counts = {"nbytes": comm.nbytes(point)}
         else:

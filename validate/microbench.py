@@ -418,9 +418,27 @@ LONG_POINT_S = 4.0
 LONG_REPEATS = 2
 
 
+# Collectives are repeated until the mean of their repetitions (what a step pays per call) is known
+# to COLLECTIVE_PRECISION, relative standard error, or the point has been timed for
+# COLLECTIVE_POINT_BUDGET_S. Calls that barely scatter (a GPU's, a large message's) stop at the
+# planned repetitions; gloo's small calls on a shared CPU are bimodal (a fast mode and one a
+# scheduler tick later, 0.3 vs 4 ms on the project VM), and at the planned 5-20 repetitions their
+# means carried a 15% standard error (median over points), more than the held-out target allows.
+COLLECTIVE_PRECISION = 0.05
+COLLECTIVE_POINT_BUDGET_S = 1.0
+
+
+def relative_standard_error(times: list) -> float:
+    """Standard error of the mean of `times` over the mean (inf for fewer than two)."""
+    if len(times) < 2:
+        return math.inf
+    mean = statistics.fmean(times)
+    return statistics.stdev(times) / math.sqrt(len(times)) / mean if mean > 0 else math.inf
+
+
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
                 max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None,
-                min_number: int = 1):
+                min_number: int = 1, more=None):
     """(per-call seconds of each repetition, calls per repetition, per-call CPU seconds of each
     repetition or None). `cpu_clock` (time.thread_time on a one-thread CPU rank) also times the
     CPU the rank actually got, which leaves out time other processes took the core. One untimed estimate sets
@@ -428,7 +446,8 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
     repetitions (up to `max_repeats_factor` x `repeats` while they fit in `budget_s`): noise hits
     short ops hardest; `min_number` is the fewest calls a repetition makes. `agree(seconds)` makes every rank use the slowest rank's estimate
     (collectives must make the same calls everywhere); `before()` runs untimed before each
-    repetition. A call longer than LONG_CALL_S: one call per repetition, few repetitions."""
+    repetition; `more(times)`, asked after the planned repetitions and after each further batch of
+    as many, says whether to time another batch (it must answer alike on every rank). A call longer than LONG_CALL_S: one call per repetition, few repetitions."""
     timer = device.timer()
 
     def timed_call() -> float:
@@ -451,16 +470,19 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
         extra = int(budget_s / (number * estimate))
         repeats = int(min(max_repeats_factor * repeats, max(repeats, extra)))
     times, cpu_times = [], [] if cpu_clock else None
-    for _ in range(repeats):
-        if before:
-            before()
-        c0 = cpu_clock() if cpu_clock else 0.0
-        timer.start()
-        for _ in range(number):
-            fn()
-        times.append(timer.stop() / number)
-        if cpu_clock:
-            cpu_times.append(max(cpu_clock() - c0, 1e-9) / number)
+    batches = 0
+    while batches == 0 or (more is not None and more(times)):
+        batches += 1
+        for _ in range(repeats):
+            if before:
+                before()
+            c0 = cpu_clock() if cpu_clock else 0.0
+            timer.start()
+            for _ in range(number):
+                fn()
+            times.append(timer.stop() / number)
+            if cpu_clock:
+                cpu_times.append(max(cpu_clock() - c0, 1e-9) / number)
     return times, number, cpu_times
 
 

@@ -161,17 +161,23 @@ def _repetition_spread(records) -> str | None:
     that over points, by size band): 1 on a quiet machine."""
     bands = ((16 << 10, "up to 16 KiB"), (1 << 20, "to 1 MiB"), (16 << 20, "to 16 MiB"), (math.inf, "above"))
     ratios: dict = {}
+    errors = []
     for r in records:
         stats = r.get("stats", {})
         low, mid = stats.get("min_s"), stats.get("median_s")
         if isinstance(low, (int, float)) and isinstance(mid, (int, float)) and low > 0:
             label = next(name for top, name in bands if r["nbytes"] <= top)
             ratios.setdefault(label, []).append(mid / low)
+        mean, std, n = stats.get("mean_s"), stats.get("std_s"), stats.get("repeats")
+        if all(isinstance(x, (int, float)) for x in (mean, std, n)) and mean > 0 and n > 1:
+            errors.append(std * math.sqrt(n / (n - 1)) / math.sqrt(n) / mean)  # std_s is the population's
     if not ratios:
         return None
     parts = [f"{float(np.median(ratios[name])):.2f} {name}" for _, name in bands if name in ratios]
+    floor = (f"; each point's mean is known to {100 * float(np.median(errors)):.1f}% (standard error, median over "
+             f"points), a floor under any held-out error" if errors else "")
     return ("collective repetitions, median / min of each point (median over points): " + ", ".join(parts)
-            + " (1 on a quiet machine)")
+            + " (1 on a quiet machine)" + floor)
 
 
 def _algorithm_rules():
