@@ -149,3 +149,27 @@ def test_the_campaign_asks_for_more_only_while_loose_and_within_budget():
     assert precise_mean(comm, time.monotonic())(tight) is False
     assert precise_mean(comm, time.monotonic() - 2 * mb.COLLECTIVE_POINT_BUDGET_S)(loose) is False
     assert comm.agreed == [1.0, 0.0, 0.0]  # every rank's wish is agreed: one asking is enough
+
+
+def test_concurrent_rounds_go_on_until_their_mean_is_precise():
+    """A concurrent point's rounds (burst, alone, both) come in batches while `more` asks."""
+    import random
+
+    clock, rng = Clock(), random.Random(1)
+    comm = mb.Communicator.__new__(mb.Communicator)  # no process group: its timing logic alone
+    comm.device = FakeDevice(clock)
+    comm.agree_max = lambda seconds: seconds
+    comm.compute_burst = lambda: None
+    comm.burst_of = lambda seconds: (lambda: None)
+
+    class Work:
+        def wait(self):
+            clock.now += 4e-3 if rng.random() < 0.4 else 3e-4
+    comm.make = lambda point, async_op=False: (lambda: [Work()])
+    point = mb.Point("collective", "all_reduce", "fp32", mb._shape(nbytes=1 << 16), group=(2, 1), timing="concurrent")
+    once = comm.time_concurrent(point, 5, 1)
+    assert {k: len(v) for k, v in once.items()} == {"burst": 5, "alone": 5, "both": 5}
+    precise = comm.time_concurrent(point, 5, 1, more=lambda both: mb.relative_standard_error(both) > 0.05)
+    n = len(precise["both"])
+    assert n > 5 and n % 5 == 0 and len(precise["alone"]) == len(precise["burst"]) == n
+    assert mb.relative_standard_error(precise["both"]) <= 0.05

@@ -184,7 +184,8 @@ def measure(torch, device, comm, point, options: Options) -> dict:
 
             return measure_point(torch, device, comm, point)
         if point.timing == mb.CONCURRENT_TIMING:  # beside a compute burst: the call together with it
-            rounds = comm.time_concurrent(point, options.repeats, options.warmup)
+            rounds = comm.time_concurrent(point, options.repeats, options.warmup,
+                                          None if options.quick else precise_mean(comm, time.monotonic()))
             times, number = rounds["both"], 1
             counts = {"nbytes": comm.nbytes(point), "alone_stats": mb.Stats(rounds["alone"]).as_dict(1),
                       "burst_stats": mb.Stats(rounds["burst"]).as_dict(1)}

@@ -30,8 +30,10 @@ def is_concurrent(record: dict) -> bool:
 
 
 def _sides(record: dict) -> tuple:
-    """(T_both, T_c, T_k): the median of each over the point's rounds."""
-    return (record["stats"]["median_s"], record["alone_stats"]["median_s"], record["burst_stats"]["median_s"])
+    """(T_both, T_c, T_k): the mean of each over the point's rounds, what a step pays on average
+    (the collective's tables hold means too; a ledger without means gives medians)."""
+    return tuple(stats.get("mean_s", stats["median_s"])
+                 for stats in (record["stats"], record["alone_stats"], record["burst_stats"]))
 
 
 def hidden_share(record: dict) -> float:
