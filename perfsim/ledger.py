@@ -186,6 +186,9 @@ def calibration_problem(record) -> str | None:
         return "has no positive stats.median_s"
     if "cpu_stats" in record and not _seconds_table(record["cpu_stats"]):
         return "has a cpu_stats that is not a table of times"
+    if "reference_s" in record and not (isinstance(record["reference_s"], dict)
+                                        and all(_number(v) and v > 0 for v in record["reference_s"].values())):
+        return "has a reference_s that is not a table of positive times"
     if "predicted_s" in record and not _number(record["predicted_s"]):
         return "has a predicted_s that is not a number"
     shape = record.get("shape")

@@ -84,6 +84,8 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
     assert all(x["flops"] == 2 * x["shape"]["count"] * x["shape"]["m"] * x["shape"]["n"] * x["shape"]["k"] for x in gemm)
     # one-thread CPU ranks also record the CPU time they got (what the fit uses on a shared machine)
     assert all(0 < x["cpu_stats"]["min_s"] <= 1.5 * x["stats"]["max_s"] for x in records)
+    # and the reference kernels' times right before each point (perfsim.calibrate.drift)
+    assert all(set(x["reference_s"]) == {"gemm", "memory"} and min(x["reference_s"].values()) > 0 for x in records)
     assert run_worker(options, environ={}) == 0  # everything is in the ledger: nothing measured again
     # the backward kernels and the loss, in the dtype a step runs them in
     kernels = {x["op"] for x in records if x["suite"] == "memory" and x["dtype"] == "bf16"}

@@ -136,10 +136,12 @@ def run_worker(options: Options, environ=None, out=None) -> int:
             todo = box[0]
         shapes = sorted({p.group for p in points if p.group})
         comm = mb.Communicator(torch, device, ranks.rank, ranks.world, shapes) if ranks.world > 1 else None
+        references = (mb.References(torch, device)
+                      if any(points[i].suite in mb.REFERENCE_SUITES for i in todo) else None)
         started = time.monotonic()
         for n, i in enumerate(todo, 1):
             point = points[i]
-            record = measure(torch, device, comm, point, options)
+            record = measure(torch, device, comm, point, options, references)
             if ledger is not None:
                 ledger.append({"key": keys[i], "suite": point.suite, "op": point.op, "dtype": point.dtype,
                                "shape": point.dims, "group": list(point.group) if point.group else None,
@@ -172,12 +174,14 @@ def precise_mean(comm, started: float):
     return more
 
 
-def measure(torch, device, comm, point, options: Options) -> dict:
-    """Time one point on every rank; the record's fields (stats, counts, per-rank medians)."""
+def measure(torch, device, comm, point, options: Options, references=None) -> dict:
+    """Time one point on every rank; the record's fields (stats, counts, per-rank medians and, for
+    a compute point, the `references` kernels' times right before it: perfsim.calibrate.drift)."""
     from validate import microbench as mb
 
     if comm is not None:
         comm.barrier()
+    reference = references.time() if references is not None and point.suite in mb.REFERENCE_SUITES else None
     try:
         if point.suite == "tp_overhead":  # two whole layers timed alternately: a record of its own
             from validate.tp_overhead import measure_point
@@ -220,6 +224,8 @@ def measure(torch, device, comm, point, options: Options) -> dict:
     if failed or times is None:
         return {"error": error or "failed on another rank", **counts}
     record = {"stats": mb.Stats(times).as_dict(number), **counts}
+    if reference:
+        record["reference_s"] = reference
     if comm is not None and point.suite != "collective":
         record["rank_medians_s"] = comm.gather_values(record["stats"]["median_s"])
     return record

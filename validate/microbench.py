@@ -151,6 +151,15 @@ BURST_DTYPE = {"cpu": "fp32", "gpu": "bf16"}
 # sends), in the dtype steps send, at a few sizes up to the sweep's largest; few, as calibration
 # time matters.
 CONCURRENT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+# Reference kernels timed right before every compute point, whose times perfsim.calibrate.drift
+# uses to take the machine's drift out of the points: BURST_GEMM and a LayerNorm of fixed shapes,
+# in BURST_DTYPE, each the median of REFERENCE_CALLS calls (the LayerNorm looped
+# REFERENCE_NORM_LOOPS times a call: one takes a fraction of a millisecond). About 17 ms a point
+# on the project's CPU.
+REFERENCE_SUITES = ("gemm", "memory", "attention")
+REFERENCE_NORM = {"cpu": (512, 1024), "gpu": (8192, 8192)}
+REFERENCE_CALLS = 3
+REFERENCE_NORM_LOOPS = 5
 CONCURRENT_BYTES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 
 
@@ -578,6 +587,37 @@ def make_compute(torch, device, point: Point):
             return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1), v)
         return unfused
     raise ValueError(f"not a compute point: {point.suite}")
+
+
+class References:
+    """The reference kernels of a campaign's rank (REFERENCE_SUITES), built once."""
+
+    def __init__(self, torch, device):
+        kind = "cpu" if device.kind == "cpu" else "gpu"
+        dtype = BURST_DTYPE[kind]
+        m, n, k = BURST_GEMM[kind]
+        rows, cols = REFERENCE_NORM[kind]
+        gemm = Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING)
+        norm = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
+        self.device, self.timer = device, device.timer()
+        self.calls = {"gemm": (make_compute(torch, device, gemm), 1),
+                      "memory": (make_compute(torch, device, norm), REFERENCE_NORM_LOOPS)}
+        for fn, _ in self.calls.values():
+            fn()  # first touch outside the timing
+
+    def time(self) -> dict:
+        """{reference: seconds of one call}, each the median of REFERENCE_CALLS calls."""
+        out = {}
+        for name, (fn, loops) in self.calls.items():
+            times = []
+            for _ in range(REFERENCE_CALLS):
+                self.device.sync()
+                self.timer.start()
+                for _ in range(loops):
+                    fn()
+                times.append(self.timer.stop() / loops)
+            out[name] = statistics.median(times)
+        return out
 
 
 def compute_counts(point: Point) -> dict:

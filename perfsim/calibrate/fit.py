@@ -14,6 +14,7 @@ from perfsim.calibrate.collectives import fit_collectives
 from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, GEMM_TIMINGS, STATISTICS,
                                       TRAINING_DTYPE, statistic_key, with_values)
 from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
+from perfsim.calibrate.drift import steadied
 from perfsim.calibrate.memory import fit_memory
 from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
 from perfsim.calibrate.overlap import fit_overlap, is_concurrent
@@ -38,6 +39,8 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
         raise PerfsimError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     kinds = sorted({r.get("device", {}).get("kind", "") if isinstance(r.get("device"), dict) else "" for r in records})
     kind = device_kind or (kinds[0] if len(kinds) == 1 and kinds[0] else "cuda")
+    # compute points at the machine's typical speed over the campaign (perfsim.calibrate.drift)
+    records, drift_notes = steadied(records)
     usable = []
     for r in records:
         if "error" in r:
@@ -58,6 +61,7 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
             "step overhead)" if statistic == "expected" else f"the {statistic} of each point's repetitions")
     values, quality, notes = {}, [], [f"times fitted: {what}"
                                       + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
+    notes.extend(drift_notes)
     if len(kinds) > 1:
         notes.append(f"ledger mixes device kinds {', '.join(k or '?' for k in kinds)}; fitting as {kind}")
     per_node = {r.get("ranks_per_node") for r in usable if r["suite"] == "collective"} - {None}
