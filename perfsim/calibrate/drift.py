@@ -26,13 +26,13 @@ TIME_FIELDS = ("median_s", "min_s", "max_s", "mean_s", "std_s", "p25_s", "p75_s"
 
 
 def _reference(record: dict, kind: str):
-    value = (record.get("reference_s") or {}).get(kind) if isinstance(record.get("reference_s"), dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    """The record's time of reference `kind` (None without one; the ledger reader checked the rest)."""
+    references = record.get("reference_s")
+    value = references.get(kind) if isinstance(references, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def _scaled(stats, factor: float):
-    if not isinstance(stats, dict):
-        return stats
+def _scaled(stats: dict, factor: float) -> dict:
     return {k: v * factor if k in TIME_FIELDS and isinstance(v, (int, float)) else v for k, v in stats.items()}
 
 
@@ -54,10 +54,9 @@ def steadied(records: list) -> tuple:
             factor = typical / float(np.median(refs[lo:lo + WINDOW]))
             factors.append(factor)
             r = out[i]
-            out[i] = {**r, "stats": _scaled(r["stats"], factor), "cpu_stats": _scaled(r.get("cpu_stats"), factor),
-                      "drift_factor": factor}
-            if out[i]["cpu_stats"] is None:
-                del out[i]["cpu_stats"]
+            out[i] = {**r, "stats": _scaled(r["stats"], factor), "drift_factor": factor}
+            if "cpu_stats" in r:
+                out[i]["cpu_stats"] = _scaled(r["cpu_stats"], factor)
         speed = np.array(factors)
         notes.append(f"machine drift during the campaign, by the {kind} reference timed before each of {len(where)} "
                      f"points: the machine ran at {speed.min():.2f}-{speed.max():.2f}x its typical speed "
