@@ -31,12 +31,16 @@ import time
 # The machines. Each changes kernel speeds on the same CPU by the margin (docs/calibration.md,
 # "Transfer"): ATEN_CPU_CAPABILITY=default takes the vectorised element-wise kernels away (GeLU,
 # softmax, LayerNorm 2-14x slower on the project's AVX2 VM); one rank with two threads halves a
-# GEMM's time and leaves no collective to wait for.
+# GEMM's time and leaves no collective to wait for; MKL's conditional numerical reproducibility
+# mode COMPATIBLE runs its SSE2 code path, fp32 GEMMs 3.1x slower (26 against 81 GFLOP/s for
+# 1024^3 on one core; MKL_ENABLE_INSTRUCTIONS=SSE4_2 and ONEDNN_MAX_CPU_ISA=SSE41 leave them at
+# 78 there), element-wise kernels unchanged.
 SETTINGS = {
     "avx2": {"env": {}, "nproc": 2, "threads": 1},
     "generic": {"env": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
                         "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, "nproc": 2, "threads": 1},
     "threads2": {"env": {}, "nproc": 1, "threads": 2},
+    "mkl-compat": {"env": {"MKL_CBWR": "COMPATIBLE"}, "nproc": 2, "threads": 1},
 }
 VALIDATION_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 # --quick (the CI test): the loop's plumbing in a minute or two, not its accuracy. A smaller model,

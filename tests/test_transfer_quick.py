@@ -48,6 +48,7 @@ def test_the_loop_calibrates_from_scratch_and_validates_against_its_own_profile(
     # collectives say, is kept only where it beats its curve: at smoke-test sizes, not always)
     assert {"gemm", "overheads"} <= set(row["held_out"])
     assert 0 <= row["step_mape"] < 10  # finite; its size is the full benchmark's business
+    assert 0 <= row["plans_at_speed"] <= row["plans"]  # the plans measured at the profile's speed, counted
     assert row["memory_mean"] <= 0.15, "peak memory does not depend on the machine's speed"
     assert "| generic |" in proc.stdout
 
