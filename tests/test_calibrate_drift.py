@@ -26,7 +26,8 @@ def campaign(slow: float = 1.6) -> list:
 
 
 def test_a_slow_spell_is_taken_out_of_the_compute_points():
-    records, notes = steadied(campaign())
+    records, notes, typical = steadied(campaign())
+    assert typical == {"gemm": pytest.approx(4e-3), "memory": pytest.approx(2e-4)}
     spell = [r for i, r in enumerate(records) if 24 <= i < 31]  # well inside the spell
     assert all(r["stats"]["mean_s"] == pytest.approx(1e-3) and r["cpu_stats"]["median_s"] == pytest.approx(1e-3)
                for r in spell)
@@ -41,9 +42,9 @@ def test_collectives_and_ledgers_without_references_stay_as_measured():
     records = campaign()
     collective = {"suite": "collective", "op": "all_reduce", "stats": {"mean_s": 5e-3, "median_s": 5e-3}}
     bare = [{k: v for k, v in r.items() if k != "reference_s"} for r in records]
-    out, notes = steadied(records[:30] + [collective] + records[30:])
+    out, notes, _ = steadied(records[:30] + [collective] + records[30:])
     assert out[30] is collective
-    assert steadied(bare) == (bare, [])
+    assert steadied(bare) == (bare, [], {})
     few = records[:WINDOW - 1]  # fewer points than the window: nothing to take a median over
     assert steadied(few)[0] == few
 
@@ -64,3 +65,10 @@ def test_the_fit_reports_the_drift(tmp_path):
         records.append(r)
     calibration = fit(records, load_system("cpu-example"), "synthetic.jsonl", device_kind="cpu")
     assert any("machine drift during the campaign" in n and "0.67-1.00x" in n for n in calibration.notes)
+    # the typical reference times go into the profile, for validate's speed probes
+    assert calibration.values["device.speed_reference_gemm_s"].value == pytest.approx(4e-3)
+    from perfsim.calibrate.common import with_values
+
+    profile = with_values(load_system("cpu-example"), calibration.values)
+    assert profile.device.speed_reference_gemm_s == pytest.approx(4e-3)
+    assert profile.provenance["device.speed_reference_gemm_s"][0] == "calibrated"

@@ -71,3 +71,40 @@ def test_the_command_line_default_is_the_probes():
     from perfsim import cli
 
     assert cli.make_parser().parse_args(["validate"]).speed_tolerance == speed_probe.DEFAULT_TOLERANCE
+
+
+def test_a_profile_with_reference_kernels_is_judged_by_them():
+    """A calibrated profile carries its reference kernels' typical times (perfsim.calibrate.drift):
+    validate's probes are then those kernels at those times, whatever the model; a profile without
+    them prices the model's FC1 and LayerNorm."""
+    import dataclasses
+
+    model, plan = load_model("gpt3-350m"), Plan(tp=2, mbs=2, gbs=4)
+    system = load_system("cpu-example")
+    gemm, norm, reference = speed_probe.probe_expectations(system, "bf16", model, plan)
+    assert not reference
+    assert gemm == speed_probe.expected_probe_s(system, "bf16", speed_probe.probe_gemm(model, plan))
+    assert norm == speed_probe.expected_norm_probe_s(system, "bf16", speed_probe.probe_norm(model, plan))
+    calibrated = dataclasses.replace(system, device=dataclasses.replace(
+        system.device, speed_reference_gemm_s=4.6e-3, speed_reference_norm_s=2e-4))
+    assert speed_probe.probe_expectations(calibrated, "bf16", model, plan) == (4.6e-3, 2e-4, True)
+
+
+@pytest.mark.multiprocess
+def test_reference_probes_time_the_calibrations_reference_kernels():
+    """A real plan on two CPU ranks with the reference probes: every timed step carries their
+    times, near what the kernels take alone on this machine (the same References)."""
+    import torch
+
+    from validate.device import Device
+    from validate.microbench import References
+
+    plan = timing.parse_plans("tp=2,mbs=1,gbs=1")[0]
+    model = "layers=2,hidden=128,heads=4,seq=64,vocab=512,tied_embeddings=false,dropout=false"
+    alone = References(torch, Device("cpu", 0, 1)).time()
+    got = timing.measure_plan(plan, model, "cpu", 2, "fp32", 2, 1, 60, 1, alone["gemm"], 10.0, alone["memory"],
+                              reference_probes=True)
+    assert len(got["probe_s"]) == len(got["norm_probe_s"]) == len(got["step_times_s"]) >= 2
+    for probes, expected in ((got["probe_s"], alone["gemm"]), (got["norm_probe_s"], alone["memory"])):
+        assert all(0.2 * expected < p < 5 * expected for p in probes)
+    assert all(got["at_speed"])  # a tolerance of 10x: the kernels ran, and were judged against those times

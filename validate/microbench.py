@@ -607,17 +607,19 @@ class References:
 
     def time(self) -> dict:
         """{reference: seconds of one call}, each the median of REFERENCE_CALLS calls."""
-        out = {}
-        for name, (fn, loops) in self.calls.items():
-            times = []
-            for _ in range(REFERENCE_CALLS):
-                self.device.sync()
-                self.timer.start()
-                for _ in range(loops):
-                    fn()
-                times.append(self.timer.stop() / loops)
-            out[name] = statistics.median(times)
-        return out
+        return {name: self.time_one(name) for name in self.calls}
+
+    def time_one(self, name: str) -> float:
+        """Seconds of one call of reference `name` ("gemm" or "memory"), the median of REFERENCE_CALLS."""
+        fn, loops = self.calls[name]
+        times = []
+        for _ in range(REFERENCE_CALLS):
+            self.device.sync()
+            self.timer.start()
+            for _ in range(loops):
+                fn()
+            times.append(self.timer.stop() / loops)
+        return statistics.median(times)
 
 
 def compute_counts(point: Point) -> dict:

@@ -12,7 +12,11 @@ measured then tests the machine's state, not the model. Before each timed step e
   lasts about NORM_SAMPLE_S, priced by perfsim.cost.layer.memory_time with the profile's
   layernorm efficiency. The element-wise kernels can slow down while the GEMMs do not: on the
   project's VM they once ran 1.3-1.8 times slower for an hour while the GEMM probe saw 7%.
-The slowest rank's median of each counts. A step is *at speed* when each probe took at most
+A profile calibrated with reference kernels (device.speed_reference_gemm_s and _norm_s, the typical
+times of validate.microbench.References over its campaign) is judged by those kernels instead: the
+same GEMM and LayerNorm timed on the same machine, so the verdict does not depend on how well the
+profile prices the model's shapes (`probe_expectations`). The Slurm jobs still probe the model's
+shapes. The slowest rank's median of each counts. A step is *at speed* when each probe took at most
 `1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts for it; the
 plan's step time is the median of the steps at speed, and the ranks keep stepping, up to
 MAX_STEPS_FACTOR x the steps asked for, until that many are.
@@ -62,6 +66,30 @@ def expected_norm_probe_s(system, dtype: str, norm: tuple) -> float:
     point = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
     op, backward = measured_memory_op("layernorm", compute_counts(point)["nbytes"])
     return float(memory_time(for_dtype(system, dtype).device, op, backward))
+
+
+def probe_expectations(system, dtype: str, model, plan) -> tuple:
+    """(GEMM probe seconds, LayerNorm probe seconds, whether the probes are the reference kernels).
+    A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them:
+    their typical times were measured on that machine, so the verdict does not rest on how well
+    the profile prices one shape (on the mkl-compat transfer machine the model's FC1 GEMM dips
+    to 16 GFLOP/s between neighbours at 27, the table's smoothing prices it near them, and its
+    probe read 1.5x in every step at any speed). Otherwise the model's FC1 GEMM and LayerNorm,
+    priced by the profile."""
+    device = system.device
+    if device.speed_reference_gemm_s and device.speed_reference_norm_s:
+        return device.speed_reference_gemm_s, device.speed_reference_norm_s, True
+    return (expected_probe_s(system, dtype, probe_gemm(model, plan)),
+            expected_norm_probe_s(system, dtype, probe_norm(model, plan)), False)
+
+
+def make_reference_probes(torch, device) -> tuple:
+    """On a rank: (GEMM probe, LayerNorm probe) timing the calibration's reference kernels
+    (validate.microbench.References), each returning one call's median seconds."""
+    from validate.microbench import References
+
+    references = References(torch, device)
+    return (lambda: references.time_one("gemm")), (lambda: references.time_one("memory"))
 
 
 def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool:

@@ -61,10 +61,12 @@ def _inject_fault(rank: int, world: int) -> None:
 
 def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
             threads: int | None = None, probe_expected_s: float | None = None,
-            speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None) -> dict:
+            speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
+            reference_probes: bool = False) -> dict:
     """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks).
     `probe_expected_s` and `norm_probe_expected_s` are what the profile says the speed probes take,
-    the GEMM and the LayerNorm (None: that probe lets every step count)."""
+    the GEMM and the LayerNorm (None: that probe lets every step count); `reference_probes`: the
+    probes are the calibration's reference kernels, else the model's FC1 GEMM and LayerNorm."""
     import datetime
 
     import torch
@@ -74,8 +76,8 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     from validate.context_parallel import skipped_blocks
     from validate.device import Device, distributed_backend
     from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
-    from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe, probe_gemm,
-                                      probe_norm, step_time)
+    from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe,
+                                      make_reference_probes, probe_gemm, probe_norm, step_time)
 
     ranks = rank_environment()
     dev = Device(device_kind, ranks.local_rank, threads)
@@ -113,8 +115,11 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
     # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran. Every rank
     # takes the job-wide (slowest rank's) step and probe times, so all decide alike.
-    probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
-    norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
+    if reference_probes:
+        probe, norm_probe = make_reference_probes(torch, dev)
+    else:
+        probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
+        norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
     times, probes, norm_probes, speed_flags = [], [], [], []
     while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps:
         dist.barrier()
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--norm-probe-expected", dest="norm_probe_expected", type=float, default=None,
                    help="seconds the profile predicts for one call of the LayerNorm speed probe; without it that probe lets every step count")
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=float, default=DEFAULT_TOLERANCE)
+    p.add_argument("--reference-probes", dest="reference_probes", action="store_true",
+                   help="probe with the calibration's reference kernels (validate.microbench.References)")
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1")
@@ -180,7 +187,8 @@ def main(argv=None) -> int:
         p.error("--speed-tolerance, --probe-expected and --norm-probe-expected must be positive")
     plan = Plan(**json.loads(args.plan))
     result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
-                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance, args.norm_probe_expected)
+                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance, args.norm_probe_expected,
+                     args.reference_probes)
     if result.pop("rank") == 0:
         tmp = args.out + ".part"
         with open(tmp, "w") as fh:

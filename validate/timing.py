@@ -224,7 +224,8 @@ def predicted(model, system, plan, dtype: str) -> dict:
 
 def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
                  timeout_s: float, threads, probe_expected_s: float | None = None,
-                 speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None) -> dict:
+                 speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
+                 reference_probes: bool = False) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
     from validate.launcher import launch_ranks
 
@@ -235,7 +236,8 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
                 "--timeout", str(timeout_s), "--speed-tolerance", repr(speed_tolerance)] \
             + (["--threads", str(threads)] if threads else []) \
             + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else []) \
-            + (["--norm-probe-expected", repr(norm_probe_expected_s)] if norm_probe_expected_s else [])
+            + (["--norm-probe-expected", repr(norm_probe_expected_s)] if norm_probe_expected_s else []) \
+            + (["--reference-probes"] if reference_probes else [])
         launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
                      resume="the ledger keeps the plans already measured; run the same command again to resume")
         with open(out) as fh:
@@ -350,7 +352,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
     from validate.ledger import Ledger
-    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
+    from validate.speed_probe import probe_expectations
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     model = load_model(model_spec)
@@ -373,13 +375,12 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         for r in range(1, rounds + 1):
             for i, (plan, prediction) in enumerate(zip(plans, predictions)):
                 key = keys[r - 1][i]
-                probe = expected_probe_s(system, dtype, probe_gemm(model, plan))
-                norm = expected_norm_probe_s(system, dtype, probe_norm(model, plan))
+                probe, norm, reference = probe_expectations(system, dtype, model, plan)
                 if key in earlier:
                     got, source = earlier[key]["measured"], "from the ledger"
                 else:
                     got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
-                                       probe, speed_tolerance, norm)
+                                       probe, speed_tolerance, norm, reference)
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
                     source = "measured"
                 got = judged(got, probe, norm, speed_tolerance)

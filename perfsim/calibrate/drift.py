@@ -37,16 +37,18 @@ def _scaled(stats: dict, factor: float) -> dict:
 
 
 def steadied(records: list) -> tuple:
-    """(records with each compute point's times at the ledger's typical speed, notes). A record
-    that was rescaled carries `drift_factor` (what its times were multiplied by)."""
-    out, notes = list(records), []
+    """(records with each compute point's times at the ledger's typical speed, notes, {reference:
+    its typical seconds}). A record that was rescaled carries `drift_factor` (what its times were
+    multiplied by). The typical times become the profile's device.speed_reference_*_s, at which
+    `perfsim validate` judges each step's machine."""
+    out, notes, typical_s = list(records), [], {}
     for kind in sorted(set(REFERENCE_OF.values())):
         where = [i for i, r in enumerate(out) if REFERENCE_OF.get(r.get("suite")) == kind and "error" not in r
                  and _reference(r, kind) is not None]
         if len(where) < WINDOW:
             continue
         refs = np.array([_reference(out[i], kind) for i in where])
-        typical = float(np.median(refs))
+        typical = typical_s[kind] = float(np.median(refs))
         half = WINDOW // 2
         factors = []
         for j, i in enumerate(where):
@@ -62,4 +64,4 @@ def steadied(records: list) -> tuple:
                      f"points: the machine ran at {speed.min():.2f}-{speed.max():.2f}x its typical speed "
                      f"(rolling median of {WINDOW}); those points' times are scaled to the typical speed, "
                      f"{np.mean(np.abs(speed - 1) > 0.1) * 100:.0f}% of them by more than 10%")
-    return out, notes
+    return out, notes, typical_s

@@ -11,7 +11,7 @@ from perfsim.errors import PerfsimError
 from perfsim.files import check_output, write_output
 from perfsim.ledger import read_ledger, skipped_lines, step_problem
 from perfsim.calibrate.collectives import fit_collectives
-from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, GEMM_TIMINGS, STATISTICS,
+from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, Fitted, GEMM_TIMINGS, STATISTICS,
                                       TRAINING_DTYPE, statistic_key, with_values)
 from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
 from perfsim.calibrate.drift import steadied
@@ -40,7 +40,7 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     kinds = sorted({r.get("device", {}).get("kind", "") if isinstance(r.get("device"), dict) else "" for r in records})
     kind = device_kind or (kinds[0] if len(kinds) == 1 and kinds[0] else "cuda")
     # compute points at the machine's typical speed over the campaign (perfsim.calibrate.drift)
-    records, drift_notes = steadied(records)
+    records, drift_notes, references = steadied(records)
     usable = []
     for r in records:
         if "error" in r:
@@ -62,6 +62,10 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values, quality, notes = {}, [], [f"times fitted: {what}"
                                       + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
     notes.extend(drift_notes)
+    for kind, key in (("gemm", "device.speed_reference_gemm_s"), ("memory", "device.speed_reference_norm_s")):
+        if kind in references:
+            values[key] = Fitted(references[kind], f"median over ledger {ledger_name} of the {kind} reference kernel "
+                                                   f"timed before each compute point (validate.microbench.References)")
     if len(kinds) > 1:
         notes.append(f"ledger mixes device kinds {', '.join(k or '?' for k in kinds)}; fitting as {kind}")
     per_node = {r.get("ranks_per_node") for r in usable if r["suite"] == "collective"} - {None}

@@ -53,6 +53,11 @@ class Device:
     # efficiency: FP8 GEMMs follow the bf16 GEMM efficiency model (docs/equations.md 3.11).
     peak_flops_fp8: float | None = None
     fp8_gemm_efficiency: float | None = None
+    # Optional typical times of the calibration's reference kernels (validate.microbench.References:
+    # a fixed GEMM and LayerNorm per device kind), at which `perfsim validate`'s speed probes judge
+    # whether a step's machine ran at the profile's speed (validate.speed_probe).
+    speed_reference_gemm_s: float | None = None
+    speed_reference_norm_s: float | None = None
     # Optional measured kernel tables ([device.measured.<kernel>.<dtype>], perfsim.cost.measured):
     # KernelTables that correct the curves near measured shapes; `kernel_dtype` is the dtype a
     # prediction runs (set by `for_dtype`), whose tables apply.
@@ -204,7 +209,8 @@ _COUNT = ("int", 1, INF, True)
 _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
-                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype")}
+                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype",
+                                 "speed_reference_gemm_s", "speed_reference_norm_s")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
@@ -222,7 +228,8 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
                            "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
-                        "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION}}
+                        "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION,
+                        "speed_reference_gemm_s": _POSITIVE, "speed_reference_norm_s": _POSITIVE}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
