@@ -62,10 +62,10 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values, quality, notes = {}, [], [f"times fitted: {what}"
                                       + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
     notes.extend(drift_notes)
-    for kind, key in (("gemm", "device.speed_reference_gemm_s"), ("memory", "device.speed_reference_norm_s")):
-        if kind in references:
-            values[key] = Fitted(references[kind], f"median over ledger {ledger_name} of the {kind} reference kernel "
-                                                   f"timed before each compute point (validate.microbench.References)")
+    for reference, key in (("gemm", "device.speed_reference_gemm_s"), ("memory", "device.speed_reference_norm_s")):
+        if reference in references:
+            values[key] = Fitted(references[reference], f"median over ledger {ledger_name} of the {reference} reference "
+                                                        f"kernel timed before each compute point (validate.microbench.References)")
     if len(kinds) > 1:
         notes.append(f"ledger mixes device kinds {', '.join(k or '?' for k in kinds)}; fitting as {kind}")
     per_node = {r.get("ranks_per_node") for r in usable if r["suite"] == "collective"} - {None}
