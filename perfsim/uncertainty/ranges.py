@@ -25,10 +25,11 @@ CAUSE_PARTS = ("range", "distribution", "source")
 # else may be off by a factor of two either way.
 DEFAULT_WIDTHS = {"spec": ("relative", 0.02), "derived": ("relative", 0.02), "measured": ("relative", 0.15),
                   "assumed": ("ratio", 2.0), "calibrated": ("ratio", 2.0)}
-# Numbers that are the machine's or the stack's structure rather than a rate: never sampled.
+# Numbers that are the machine's or the stack's structure rather than a rate, or that no prediction
+# reads (the calibration's reference kernel times, which only validate's speed probes use): never sampled.
 FIXED_KEYS = frozenset({"node.devices_per_node", "node.devices_per_card", "network.nics_per_node",
                         "device.memory_bytes", "framework.grad_bytes_per_param", "framework.dp_overlap",
-                        "framework.tp_overlap"})
+                        "framework.tp_overlap", "device.speed_reference_gemm_s", "device.speed_reference_norm_s"})
 
 
 @dataclass(frozen=True)
