@@ -72,10 +72,10 @@ def probe_expectations(system, dtype: str, model, plan) -> tuple:
     """(GEMM probe seconds, LayerNorm probe seconds, whether the probes are the reference kernels).
     A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them:
     their typical times were measured on that machine, so the verdict does not rest on how well
-    the profile prices one shape (on the mkl-compat transfer machine the model's FC1 GEMM dips
-    to 16 GFLOP/s between neighbours at 27, the table's smoothing prices it near them, and its
-    probe read 1.5x in every step at any speed). Otherwise the model's FC1 GEMM and LayerNorm,
-    priced by the profile."""
+    the profile prices one shape (on the mkl-compat transfer machine the profile priced the
+    model's FC1 GEMM at 39 GFLOP/s, a point measured in a slow spell and over-corrected for it,
+    where it runs at about 26: that probe read 1.5x in every step). Otherwise the model's FC1 GEMM
+    and LayerNorm, priced by the profile."""
     device = system.device
     if device.speed_reference_gemm_s and device.speed_reference_norm_s:
         return device.speed_reference_gemm_s, device.speed_reference_norm_s, True
