@@ -88,6 +88,9 @@ def test_a_profile_with_reference_kernels_is_judged_by_them():
     calibrated = dataclasses.replace(system, device=dataclasses.replace(
         system.device, speed_reference_gemm_s=4.6e-3, speed_reference_norm_s=2e-4))
     assert speed_probe.probe_expectations(calibrated, "bf16", model, plan) == (4.6e-3, 2e-4, True)
+    # a record read back is judged against the probes it timed, whatever the profile would use now
+    assert speed_probe.probe_expectations(calibrated, "bf16", model, plan, reference=False) == (gemm, norm, False)
+    assert speed_probe.probe_expectations(system, "bf16", model, plan, reference=True) == (None, None, True)
 
 
 @pytest.mark.multiprocess
@@ -108,3 +111,4 @@ def test_reference_probes_time_the_calibrations_reference_kernels():
     for probes, expected in ((got["probe_s"], alone["gemm"]), (got["norm_probe_s"], alone["memory"])):
         assert all(0.2 * expected < p < 5 * expected for p in probes)
     assert all(got["at_speed"])  # a tolerance of 10x: the kernels ran, and were judged against those times
+    assert got["reference_probes"] is True  # recorded, so that a read-back is judged against the same kernels

@@ -68,17 +68,20 @@ def expected_norm_probe_s(system, dtype: str, norm: tuple) -> float:
     return float(memory_time(for_dtype(system, dtype).device, op, backward))
 
 
-def probe_expectations(system, dtype: str, model, plan) -> tuple:
+def probe_expectations(system, dtype: str, model, plan, reference: bool | None = None) -> tuple:
     """(GEMM probe seconds, LayerNorm probe seconds, whether the probes are the reference kernels).
-    A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them:
+    `reference` None picks; given, the expectations of those probes (a record read back is judged
+    against the probes it timed; reference kernels on a profile without their times: None, every
+    step counts). A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them:
     their typical times were measured on that machine, so the verdict does not rest on how well
     the profile prices one shape (on the mkl-compat transfer machine the profile priced the
     model's FC1 GEMM at 39 GFLOP/s, a point measured in a slow spell and over-corrected for it,
     where it runs at about 26: that probe read 1.5x in every step). Otherwise the model's FC1 GEMM
     and LayerNorm, priced by the profile."""
     device = system.device
-    if device.speed_reference_gemm_s and device.speed_reference_norm_s:
-        return device.speed_reference_gemm_s, device.speed_reference_norm_s, True
+    referenced = bool(device.speed_reference_gemm_s and device.speed_reference_norm_s)
+    if referenced if reference is None else reference:
+        return device.speed_reference_gemm_s, device.speed_reference_norm_s, True  # None, None without them
     return (expected_probe_s(system, dtype, probe_gemm(model, plan)),
             expected_norm_probe_s(system, dtype, probe_norm(model, plan)), False)
 

@@ -145,6 +145,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
         "step_times_s": times, "step_time_s": step_time(times, speed_flags),
         "probe_s": probes, "probe_expected_s": probe_expected_s, "at_speed": speed_flags,
         "norm_probe_s": norm_probes, "norm_probe_expected_s": norm_probe_expected_s,
+        "reference_probes": reference_probes,
         "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),

@@ -375,10 +375,13 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         for r in range(1, rounds + 1):
             for i, (plan, prediction) in enumerate(zip(plans, predictions)):
                 key = keys[r - 1][i]
-                probe, norm, reference = probe_expectations(system, dtype, model, plan)
                 if key in earlier:
                     got, source = earlier[key]["measured"], "from the ledger"
+                    # judged against the kernels its probes timed (records before the reference
+                    # kernels timed the model's), whatever this profile would probe with now
+                    probe, norm, _ = probe_expectations(system, dtype, model, plan, got.get("reference_probes", False))
                 else:
+                    probe, norm, reference = probe_expectations(system, dtype, model, plan)
                     got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
                                        probe, speed_tolerance, norm, reference)
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
