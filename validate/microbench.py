@@ -151,16 +151,16 @@ BURST_DTYPE = {"cpu": "fp32", "gpu": "bf16"}
 # sends), in the dtype steps send, at a few sizes up to the sweep's largest; few, as calibration
 # time matters.
 CONCURRENT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+CONCURRENT_BYTES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 # Reference kernels timed right before every compute point, whose times perfsim.calibrate.drift
 # uses to take the machine's drift out of the points: BURST_GEMM and a LayerNorm of fixed shapes,
 # in BURST_DTYPE, each the median of REFERENCE_CALLS calls (the LayerNorm looped
 # REFERENCE_NORM_LOOPS times a call: one takes a fraction of a millisecond). About 17 ms a point
 # on the project's CPU.
-REFERENCE_SUITES = ("gemm", "memory", "attention")
+REFERENCE_SUITES = ("gemm", "memory", "attention")  # the suites perfsim.calibrate.drift.REFERENCE_OF rescales
 REFERENCE_NORM = {"cpu": (512, 1024), "gpu": (8192, 8192)}
 REFERENCE_CALLS = 3
 REFERENCE_NORM_LOOPS = 5
-CONCURRENT_BYTES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 
 
 def burst_rows(rows: int, seconds: float, target: float) -> int:
