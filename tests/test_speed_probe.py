@@ -112,3 +112,23 @@ def test_reference_probes_time_the_calibrations_reference_kernels():
         assert all(0.2 * expected < p < 5 * expected for p in probes)
     assert all(got["at_speed"])  # a tolerance of 10x: the kernels ran, and were judged against those times
     assert got["reference_probes"] is True  # recorded, so that a read-back is judged against the same kernels
+
+
+def test_the_error_at_the_measured_speed_moves_each_probed_part_by_its_probe():
+    """A step whose GEMM probe ran 2x the profile's time has its compute predicted twice as long,
+    its optimizer by the LayerNorm probe, its communication as predicted; the median over steps."""
+    prediction = {"step_time_s": 10.0, "time_breakdown_s": {"compute": 5.0, "recompute": 1.0, "pp_bubble": 1.0,
+                                                            "tp_comm": 2.0, "optimizer": 0.5, "other": 0.5}}
+    measured = {"step_times_s": [17.0, 10.0, 10.0], "probe_s": [2.0, 1.0, 1.0], "probe_expected_s": 1.0,
+                "norm_probe_s": [3.0, 1.0, 1.0], "norm_probe_expected_s": 1.0}
+    # step 1: 10 + 7 x (2 - 1) + 1 x (3 - 1) = 19 against 17; steps 2 and 3: 10 against 10
+    assert timing.error_at_measured_speed(measured, prediction) == pytest.approx(0.0)
+    # probes reading 2 and 2: 10 + 7 x 1 + 1 x 1 = 18 twice; 3 and 3: 10 + 7 x 2 + 1 x 2 = 26
+    measured = dict(measured, step_times_s=[18.0 / 1.1, 18.0 / 1.1, 26.0 / 1.2], probe_s=[2.0, 2.0, 3.0],
+                    norm_probe_s=[2.0, 2.0, 3.0])
+    assert timing.error_at_measured_speed(measured, prediction) == pytest.approx(0.1)
+    # without a LayerNorm probe the GEMM probe's ratio stands in for it
+    without_norm = dict(measured, norm_probe_s=None, norm_probe_expected_s=None)
+    assert timing.error_at_measured_speed(without_norm, prediction) == pytest.approx(0.1)
+    assert timing.error_at_measured_speed({"step_times_s": [1.0]}, prediction) is None  # before the probes
+    assert timing.error_at_measured_speed(dict(measured, probe_expected_s=None), prediction) is None

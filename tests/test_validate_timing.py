@@ -318,7 +318,10 @@ def test_validate_against_a_profile_this_machine_does_not_match(run_cli, tmp_pat
     matched = run_cli(*argv, "--json")
     assert matched.code == 0 and "WARNING" not in matched.err, matched.err
     assert [e["machine_matches_profile"] for e in matched.json()] == [True]
-    assert "WARNING" not in run_cli(*argv).out
+    # every entry has its error at the speed its steps' probes measured (timing.error_at_measured_speed)
+    assert matched.json()[0]["step_time_error_at_measured_speed"] is not None
+    plain = run_cli(*argv).out
+    assert "WARNING" not in plain and "@speed" in plain and "at each step's measured speed: " in plain
 
     off = run_cli(*argv, "--system", other)
     assert off.code == 0, off.err

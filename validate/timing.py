@@ -265,7 +265,39 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "comm_bytes_predicted_by_dimension": prediction["comm_bytes_by_dimension"],
             "comm_bytes_counted_by_kind": measured["comm_bytes_by_kind"],
             "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"],
-            "machine_speed": speed, "machine_matches_profile": machine_matches(speed["steps_at_speed"], speed["steps"])}
+            "machine_speed": speed, "machine_matches_profile": machine_matches(speed["steps_at_speed"], speed["steps"]),
+            "step_time_error_at_measured_speed": error_at_measured_speed(measured, prediction)}
+
+
+# What each speed probe stands for in a prediction's time_breakdown_s: the GEMM probe for the
+# kernels' compute (and the pipeline's bubble, which waits on it), the LayerNorm probe for the
+# element-wise optimizer step and the per-call overheads. Communication is not probed: it stays
+# as predicted.
+GEMM_PROBED = ("compute", "recompute", "pp_bubble")
+NORM_PROBED = ("optimizer", "other")
+
+
+def error_at_measured_speed(measured: dict, prediction: dict) -> float | None:
+    """The step-time error with the prediction moved to the machine's speed in each timed step: its
+    GEMM_PROBED parts times that step's GEMM probe over the profile's, its NORM_PROBED parts times
+    the LayerNorm probe's (the GEMM probe's where there is none); the median over every timed step,
+    at speed or not. It tells a model that is off from a machine that drifted (docs/real-steps-timing.md,
+    "Errors at the measured speed"). None without a GEMM probe in every step."""
+    probes, expected = measured.get("probe_s") or [], measured.get("probe_expected_s")
+    if not expected or not probes or any(p is None for p in probes):
+        return None
+    norms = measured.get("norm_probe_s") or [None] * len(probes)
+    norm_expected = measured.get("norm_probe_expected_s")
+    parts = prediction["time_breakdown_s"]
+    gemm = sum(parts.get(k, 0.0) for k in GEMM_PROBED)
+    elementwise = sum(parts.get(k, 0.0) for k in NORM_PROBED)
+    errors = []
+    for step_s, probe, norm in zip(measured["step_times_s"], probes, norms):
+        gemm_ratio = probe / expected
+        norm_ratio = norm / norm_expected if norm is not None and norm_expected else gemm_ratio
+        at_speed = prediction["step_time_s"] + gemm * (gemm_ratio - 1) + elementwise * (norm_ratio - 1)
+        errors.append(at_speed / step_s - 1)
+    return statistics.median(errors)
 
 
 def machine_matches(steps_at_speed: int, steps: int) -> bool:
@@ -422,15 +454,19 @@ def summary(results: list) -> dict:
         out[name] = sum(errors) / len(errors) if errors else None
     every = [abs(r["step_time_s"]["predicted"] / r["machine_speed"]["step_time_all_steps_s"] - 1) for r in results]
     out["step_time_all_steps"] = sum(every) / len(every) if every else None
+    scaled = [abs(e) for r in results if (e := r.get("step_time_error_at_measured_speed")) is not None]
+    out["step_time_at_measured_speed"] = sum(scaled) / len(scaled) if scaled else None
     return out
 
 
 def format_table(results: list) -> str:
-    def pct(pred, real):
-        e = _error(pred, real)
+    def pct_of(e):
         return "     -" if e is None else f"{100 * e:+6.1f}%"
 
-    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}{'speed':>7}  {'peak MB':>8}{'pred':>8}{'err':>8}"
+    def pct(pred, real):
+        return pct_of(_error(pred, real))
+
+    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}{'speed':>7}{'@speed':>8}  {'peak MB':>8}{'pred':>8}{'err':>8}"
             f"  {'flops':>7}{'comm':>7}{'saved':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -438,6 +474,7 @@ def format_table(results: list) -> str:
         lines.append(
             f"{r['label']:<34}{st['measured']:>8.3f}{st['predicted']:>8.3f}{pct(st['predicted'], st['measured']):>8}"
             f"{speed['steps_at_speed']:>4}/{speed['steps']:<2}"
+            f"{pct_of(r.get('step_time_error_at_measured_speed')):>8}"
             f"  {mem['measured'] / 1e6:>8.1f}{mem['predicted'] / 1e6:>8.1f}{pct(mem['predicted'], mem['measured']):>8}"
             f"  {pct(r['flops']['predicted'], r['flops']['counted']):>7}"
             f"{pct(r['comm_bytes']['predicted'], r['comm_bytes']['counted']):>7}"
@@ -446,10 +483,13 @@ def format_table(results: list) -> str:
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     lines.append("")
     lines.append(f"mean |error| over {len(results)} plans: step time {fmt(s['step_time_s'])} (over every timed "
-                 f"step, at the profile's speed or not: {fmt(s['step_time_all_steps'])}), peak memory "
+                 f"step, at the profile's speed or not: {fmt(s['step_time_all_steps'])}; at each step's measured "
+                 f"speed: {fmt(s['step_time_at_measured_speed'])}), peak memory "
                  f"{fmt(s['peak_memory_bytes'])}, FLOPs {fmt(s['flops'])}, bytes sent {fmt(s['comm_bytes'])}, "
                  f"saved activations {fmt(s['activation_bytes'])} (full recomputation left out: the hooks do not "
                  "see inside torch's checkpoint)")
     lines.append("speed: timed steps whose GEMM and LayerNorm probes ran within the tolerance of the profile's prediction "
-                 "(only those make a plan's step time, if any did)")
+                 "(only those make a plan's step time, if any did); @speed: the error with the prediction moved to "
+                 "each step's speed by its probes (compute by the GEMM probe, optimizer and overheads by the LayerNorm "
+                 "probe, communication as predicted), the median over every timed step")
     return "\n".join(lines)
