@@ -128,9 +128,10 @@ def test_fsdp2_zero2_reduces_and_gathers_one_module_at_a_time():
 
 def test_fsdp2_memory_by_hand():
     """FSDP2's memory beside DeepSpeed's (docs/equations.md 6.2): ZeRO-2 keeps the bf16 shard as
-    well as the gathered weights; at a module's reduce-scatter, its unsharded gradients and their
-    flat copy are alive, and under ZeRO-3 the module gathered and the next layer prefetched where
-    DeepSpeed's ZeRO-3 holds two layers. The largest module here is the word embedding."""
+    well as the gathered weights; at the largest module's reduce-scatter, its unsharded gradients,
+    their flat copy, the output shard and gloo's clone of the input are alive, the module itself
+    resharded; under ZeRO-3 the next layer is prefetched where DeepSpeed's ZeRO-3 holds two layers.
+    The largest module here is the word embedding."""
     from perfsim.cost import counts
     from perfsim.cost.layer import BF16
     from perfsim.cost.memory import memory_breakdown
@@ -147,6 +148,10 @@ def test_fsdp2_memory_by_hand():
         grad = system.framework.grad_bytes_per_param
         shard = BF16 * n / 2 if zero == 2 else 0.0
         assert float(fsdp2["weights"]) == pytest.approx(float(ds["weights"]) + shard, rel=1e-12)
-        extra = 2 * grad / BF16 * word + (word + layer - 2 * layer if zero == 3 else 0.0)
+        copies = system.framework.reduce_scatter_input_copies
+        assert copies == 1  # gloo's clone
+        # ZeRO-3: the prefetched layer where DeepSpeed holds two; ZeRO-2: the embedding, resharded
+        # before its reduce-scatter, is not among the gathered weights any more
+        extra = (2 + 1 / 2 + copies) * grad / BF16 * word + (layer - 2 * layer if zero == 3 else -word)
         slack = 1 + system.framework.allocator_overhead_fraction
         assert float(fsdp2["total"] - ds["total"]) == pytest.approx((shard + extra) * slack, rel=1e-9)

@@ -128,3 +128,14 @@ def test_saved_activation_peak_within_5_percent_of_perfsim(results):
         assert act["counted"] == pytest.approx(act["perfsim"], rel=ACTIVATION_RTOL), (case["case"], rank["stage"])
         checked += 1
     assert checked >= 4
+
+
+@pytest.mark.multiprocess
+def test_gloo_copies_a_reduce_scatter_input_as_the_cpu_profile_says(results):
+    """The CPU profiles price one copy of a reduce-scatter's input at FSDP2's peak
+    (framework.reduce_scatter_input_copies, docs/equations.md 6.2): what gloo allocates in the call."""
+    from perfsim.spec.system import load_system
+
+    copies = load_system(results["system"]).framework.reduce_scatter_input_copies
+    assert copies == 1
+    assert results["reduce_scatter_input_copies"] == pytest.approx([copies] * results["world"], abs=0.05)

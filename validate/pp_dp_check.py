@@ -11,7 +11,9 @@ runs the same step with validate.pipeline / validate.sharded_dp, recording:
 - bytes sent per collective kind and dimension (CollectiveCounter) against perfsim's volumes,
   with torch's differences from perfsim's (DeepSpeed's) algorithms computed beside them;
 - parameter, gradient and optimizer-state bytes it holds against perfsim.cost.memory;
-- the peak of bytes saved for backward (saved_tensors_hooks) against perfsim's activations.
+- the peak of bytes saved for backward (saved_tensors_hooks) against perfsim's activations;
+- once per run, the copies of its input gloo allocates in a reduce-scatter, against the profile's
+  framework.reduce_scatter_input_copies.
 
 Prices (the run is fp32, perfsim's model bf16 with `G` gradient bytes): activations, pipeline
 messages, weights and weight gathers/broadcasts are re-priced at 2 bytes an element; gradients and
@@ -280,6 +282,20 @@ def run_case(torch, dist, model, name: str) -> dict:
     }
 
 
+def reduce_scatter_copies(torch, dist, world: int) -> float:
+    """Copies of its input the collective library makes in a reduce-scatter (perfsim's
+    framework.reduce_scatter_input_copies, alive at FSDP2's peak): the allocator's peak over one
+    call, the output allocated before it, in input sizes."""
+    from validate.device import Device
+
+    shard = 2 ** 18  # 1 MiB of fp32 per rank
+    inp, out = torch.ones(world * shard), torch.empty(shard)
+    dist.reduce_scatter_tensor(out, inp)  # the first call sets gloo up
+    with Device("cpu").allocation_peak() as peak:
+        dist.reduce_scatter_tensor(out, inp)
+    return peak.bytes / (inp.numel() * inp.element_size())
+
+
 def main(argv=None) -> int:
     from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
 
@@ -301,7 +317,8 @@ def main(argv=None) -> int:
             losses = [r["loss"] for r in everyone if not math.isnan(r["loss"])]
             results.append({"case": name, "plan": case_plan(name).as_dict(), "loss": sum(losses) / len(losses),
                             "ranks": everyone})
-        write_on_rank0(ranks, args.out, model=args.model, system=SYSTEM, cases=results)
+        copies = every_rank(reduce_scatter_copies(torch, dist, ranks.world))
+        write_on_rank0(ranks, args.out, model=args.model, system=SYSTEM, cases=results, reduce_scatter_input_copies=copies)
     return 0
 
 

@@ -169,13 +169,16 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     layer_weights = e * sum(counts.layer_params(model).values()) / shard
     zero3 = (c.zero >= 3) & (dp > 1)
     buffers = buffers + np.where(zero3 & ~fsdp2, 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
-    # FSDP2 at its peak, a module's reduce-scatter: its unsharded gradients and their copy in the flat
-    # input; ZeRO-3 also holds the module gathered and the next one prefetched. The module is the
-    # largest of the stage's: a layer, or the word embedding or head on the stages holding them.
+    # FSDP2 at its peak, the largest module's reduce-scatter in the last micro-batch (docs/equations.md
+    # 6.2): its unsharded gradients, their copy in the flat input, the output shard and the copies
+    # the collective library makes of the input (framework.reduce_scatter_input_copies: gloo clones
+    # it). The module itself was resharded just before, which ZeRO-2's gathered weights (counted
+    # whole above) leave out; ZeRO-3 holds the next layer, prefetched. The module is the largest of
+    # the stage's: a layer, or the word embedding or head on the stages holding them.
     word = e * model.padded_vocab(t) * h / shard
     largest = np.maximum(layer_weights, np.where(first | last, word, 0))
-    grad_copies = 2 * fw.grad_bytes_per_param / e * largest
-    buffers = buffers + np.where(fsdp2, grad_copies + np.where(zero3, largest + layer_weights, 0), 0)
+    scatter = fw.grad_bytes_per_param / e * largest * (2 + 1 / dp + fw.reduce_scatter_input_copies)
+    buffers = buffers + np.where(fsdp2, scatter + np.where(zero3, layer_weights, -largest), 0)
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
     total = weights + grads + optimizer + activations + buffers

@@ -177,6 +177,10 @@ class Framework:
     # reduce-scattered in buckets, weights kept whole beside the shards in ZeRO-2. "fsdp2": torch's
     # fully_shard, one call per module, with its buffer copies and memory (as validate/ runs it).
     zero_implementation: str = "deepspeed"
+    # Optional: copies of a reduce-scatter's input the collective library makes and holds while the
+    # call runs, alive at FSDP2's peak (docs/equations.md 6.2): gloo clones the input (1); NCCL and
+    # oneCCL reduce from it in place (0, the default).
+    reduce_scatter_input_copies: float = 0.0
     # Optional: the attention kernel a plan runs when it names none (`--attention`): "unfused"
     # (two batched GEMMs around a softmax, the SC21-era stacks) or "flash" (one fused kernel).
     attention: str = "unfused"
@@ -225,7 +229,8 @@ _RULES = {
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
                            "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True),
-                           "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG},
+                           "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG,
+                           "reduce_scatter_input_copies": _NONNEG},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION,

@@ -5,8 +5,8 @@ every one of those draws (docs/validation.md, "Pruning the robust search").
 The closed form is monotone in every number it samples: a step time is sums, products by
 non-negative counts, max()es and min()es (pipeline bubbles, overlap, the fastest collective
 algorithm) of terms each of which falls as a bandwidth, efficiency, peak or overlap share rises and
-as a latency, overhead or half-size falls; peak memory rises only with the reserved bytes and the
-allocator's share. The exception: collectives take the route of least summed latency, so a shorter
+as a latency, overhead or half-size falls; peak memory rises only with the reserved bytes, the
+allocator's share and the collective library's copies of a reduce-scatter's input. The exception: collectives take the route of least summed latency, so a shorter
 latency can move traffic onto a slower link; a corner bounds only draws that route as it does
 (`routes`, checked by the robust search). tests/test_uncertainty_bounds.py checks this number by
 number on plans of every kind, and checks that the corners bound every draw.
@@ -27,7 +27,7 @@ FASTER_WHEN_HIGHER = {
     **dict.fromkeys(("gemm_half_dim", "kernel_overhead_s", "card_link_latency_s", "node_link_latency_s", "latency_s",
                      "oversubscription", "operation_latency_factor", "operation_step_overhead_s",
                      "reserved_memory_bytes", "allocator_overhead_fraction", "step_overhead_s", "tp_layer_overhead_s",
-                     "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s"), False),
+                     "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies"), False),
 }
 
 
