@@ -177,7 +177,8 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     # the stage's: a layer, or the word embedding or head on the stages holding them.
     word = e * model.padded_vocab(t) * h / shard
     largest = np.maximum(layer_weights, np.where(first | last, word, 0))
-    scatter = fw.grad_bytes_per_param / e * largest * (2 + 1 / dp + fw.reduce_scatter_input_copies)
+    copies = 0.0 if fw.reduce_scatter_input_copies is None else fw.reduce_scatter_input_copies
+    scatter = fw.grad_bytes_per_param / e * largest * (2 + 1 / dp + copies)
     buffers = buffers + np.where(fsdp2, scatter + np.where(zero3, layer_weights, -largest), 0)
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live

@@ -179,8 +179,8 @@ class Framework:
     zero_implementation: str = "deepspeed"
     # Optional: copies of a reduce-scatter's input the collective library makes and holds while the
     # call runs, alive at FSDP2's peak (docs/equations.md 6.2): gloo clones the input (1); NCCL and
-    # oneCCL reduce from it in place (0, the default).
-    reduce_scatter_input_copies: float = 0.0
+    # oneCCL reduce from it in place (None, left out: none).
+    reduce_scatter_input_copies: float | None = None
     # Optional: the attention kernel a plan runs when it names none (`--attention`): "unfused"
     # (two batched GEMMs around a softmax, the SC21-era stacks) or "flash" (one fused kernel).
     attention: str = "unfused"
