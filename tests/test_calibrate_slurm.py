@@ -140,8 +140,10 @@ def test_overhead_runs_record_what_the_local_campaign_records(tmp_path):
                           "--model", model, "--system", "smng-p2", "--dtype", "bf16"], capture_output=True, text=True,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
-    probe, norm = map(float, out.stdout.split())
-    assert (probe, norm) == pytest.approx(slurm.probes(plan.as_dict(), model, "smng-p2", "bf16"), rel=1e-5)
+    probe, norm, kind = out.stdout.split()
+    expected = slurm.probes(plan.as_dict(), model, "smng-p2", "bf16")
+    assert (float(probe), float(norm)) == pytest.approx(expected[:2], rel=1e-5) and kind == expected[2] == "model"
+    probe, norm = float(probe), float(norm)
     assert probe > 0 and norm > 0
     result = tmp_path / "run.json"
     result.write_text(FAKE_MPIEXEC.split("<<'JSON'\n")[1].split("JSON\n")[0])
@@ -257,12 +259,34 @@ def test_validation_job_runs_end_to_end_and_resumes(validation_job, tmp_path):
         launches = (tmp_path / "launches.log").read_text().splitlines()
         assert len(launches) == 3, launches  # the second submission launches nothing
         assert all(line.startswith("-n 16 -ppn 8 python -m validate.steps") for line in launches)
+        assert not any("--reference-probes" in line for line in launches)  # smng-p2 has no reference kernels
     compared = json.loads((tmp_path / "steps.json").read_text())
     assert len(compared) == 3
     for entry in compared:
         assert entry["step_time_s"]["measured"] == 0.5 and entry["step_time_s"]["predicted"] > 0
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(records) == 3 and {r["world_size"] for r in records} == {16}
+
+
+def test_a_profile_with_reference_kernels_gets_them_as_the_jobs_probes(run_cli, tmp_path, monkeypatch):
+    """A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them in
+    the Slurm job too, as `perfsim validate --device` judges it: each plan's probes are those
+    kernels' times and validate.steps gets --reference-probes; without them, the model's probes."""
+    from validate import slurm
+
+    profile = tmp_path / "smng-p2-refs.toml"
+    profile.write_text((REPO / "hwprofiles" / "smng-p2.toml").read_text() + "".join(
+        f'\n[device.speed_reference_{kind}_s]\nvalue = {value}\nprovenance = "calibrated"\nsource = "a test"\n'
+        for kind, value in (("gemm", 0.0123), ("norm", 0.000456))))
+    assert slurm.probes({"tp": 8}, VALIDATE_MODEL, str(profile), "bf16") == (0.0123, 0.000456, "reference")
+    assert slurm.probes({"tp": 8}, VALIDATE_MODEL, "smng-p2", "bf16")[2] == "model"
+    script = emit(run_cli, tmp_path, monkeypatch, VALIDATE_ARGS + ("--system", str(profile)), "3 plan(s)").read_text()
+    runs = [line for line in script.splitlines() if line.startswith("run_plan ")]
+    assert len(runs) == 3 and all(line.endswith(" 0.0123 0.000456 reference") for line in runs)
+    assert script.count(slurm.REFERENCE_FLAG) == 1
+    for kind, flag in (("reference", "--reference-probes"), ("model", "")):
+        shell = subprocess.run(["bash", "-c", f"kind={kind}; echo {slurm.REFERENCE_FLAG}"], capture_output=True, text=True)
+        assert shell.stdout.strip() == flag
 
 
 def test_validate_emit_slurm_rejects_impossible_jobs(run_cli, tmp_path, monkeypatch):

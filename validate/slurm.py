@@ -179,15 +179,15 @@ def _overhead_lines(o: OverheadRuns, first: int) -> list:
              f"RESULTS={shlex.quote(results)}",
              'mkdir -p "$RESULTS"',
              "run_overhead() {",
-             '    local i=$1 model=$2 plan=$3 result="$RESULTS/run-$1.json" probes probe norm',
+             '    local i=$1 model=$2 plan=$3 result="$RESULTS/run-$1.json" probes probe norm kind',
              f'    MASTER_PORT=$(( PORT0 + {first} + i )); export MASTER_PORT',
              '    if [ ! -s "$result" ]; then',
              f'        probes=$(python -m validate.slurm probes --plan "$plan" --model "$model" '
              f'--system {shlex.quote(o.provisional)} --dtype {o.dtype})',
-             '        read -r probe norm <<< "$probes"',
+             '        read -r probe norm kind <<< "$probes"',
              f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
              f'--model "$model" --device xpu {_command(common)} --timeout {o.timeout:g} --probe-expected "$probe" '
-             '--norm-probe-expected "$norm"',
+             f'--norm-probe-expected "$norm" {REFERENCE_FLAG}',
              "    fi",
              f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --model "$model" --system '
              f'{shlex.quote(o.provisional)} {_command(common)} --ledger {shlex.quote(o.ledger)}',
@@ -199,18 +199,25 @@ def _overhead_lines(o: OverheadRuns, first: int) -> list:
 
 
 def probes(plan: dict, model_spec: str, system_name: str, dtype: str) -> tuple:
-    """(GEMM probe seconds, LayerNorm probe seconds) the profile predicts for the plan's speed
-    probes (validate.speed_probe), as `perfsim validate --emit-slurm` writes them into its job."""
+    """(GEMM probe seconds, LayerNorm probe seconds, PROBE_KIND) of the plan's speed probes
+    (validate.speed_probe.probe_expectations): the calibration's reference kernels where the profile
+    carries their times, else the model's FC1 GEMM and LayerNorm priced by the profile; as
+    `perfsim validate --emit-slurm` writes them into its job."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
     from perfsim.spec.system import load_system
     from validate import timing
-    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
+    from validate.speed_probe import probe_expectations
 
     model, plan = load_model(model_spec), Plan(**plan)
     system = timing.harness_system(load_system(system_name), dtype)
-    return (expected_probe_s(system, dtype, probe_gemm(model, plan)),
-            expected_norm_probe_s(system, dtype, probe_norm(model, plan)))
+    probe, norm, reference = probe_expectations(system, dtype, model, plan)
+    return probe, norm, PROBE_KIND[reference]
+
+
+# How a job script names the probes' kind; `reference` adds --reference-probes to validate.steps.
+PROBE_KIND = {True: "reference", False: "model"}
+REFERENCE_FLAG = '$( [ "$kind" = reference ] && echo --reference-probes )'
 
 
 MAX_PLANS = 100  # plan i rendezvouses on port base + i, inside the job's block of 100 ports
@@ -221,7 +228,7 @@ class ValidationJob(BatchJob):
     """A training-step validation on `nodes` x 8 tiles: every plan (perfsim Plan dicts) measured by
     `python -m validate.steps`, then compared by `perfsim validate --device xpu`."""
     plans: tuple  # of Plan.as_dict() dicts
-    probes: tuple  # per plan, (GEMM, LayerNorm) seconds the profile predicts for its speed probes (validate.speed_probe)
+    probes: tuple  # per plan, (GEMM seconds, LayerNorm seconds, PROBE_KIND) of its speed probes (probes())
     model: str
     system: str
     dtype: str = "bf16"
@@ -268,22 +275,23 @@ def validation_script(job: ValidationJob) -> str:
         "# with perfsim's prediction (as `perfsim validate --device` does when it launches locally).",
         "# The third and fourth arguments are the seconds the profile predicts for the plan's speed",
         "# probes (a GEMM, a LayerNorm): steps taken while a tile ran off that speed are taken again",
-        "# (validate/speed_probe.py).",
+        "# (validate/speed_probe.py). The fifth says which kernels they are: the calibration's reference",
+        "# kernels (reference) or the model's FC1 GEMM and LayerNorm (model).",
         "run_plan() {",
-        '    local i=$1 plan=$2 probe=$3 norm=$4 result="$RESULTS/plan-$1.json"',
+        '    local i=$1 plan=$2 probe=$3 norm=$4 kind=$5 result="$RESULTS/plan-$1.json"',
         '    MASTER_PORT=$(( PORT0 + i )); export MASTER_PORT',
         '    if [ ! -s "$result" ]; then',
         f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
         f'--device xpu {_command(common)} --timeout {job.timeout} --probe-expected "$probe" '
-        '--norm-probe-expected "$norm"',
+        f'--norm-probe-expected "$norm" {REFERENCE_FLAG}',
         "    fi",
         f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --system '
         f'{shlex.quote(job.system)} {_command(common)} --ledger {shlex.quote(job.ledger)}',
         "}",
     ]
-    for i, (plan, (probe, norm)) in enumerate(zip(job.plans, job.probes)):
+    for i, (plan, (probe, norm, kind)) in enumerate(zip(job.plans, job.probes)):
         lines.append(f"run_plan {i} {shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))} "
-                     f"{probe:.6g} {norm:.6g}")
+                     f"{probe:.6g} {norm:.6g} {kind}")
     compare = ("python", "-m", "perfsim.cli", "validate", "--device", "xpu", "--nproc", str(job.world),
                "--system", job.system, "--plans", plans_argument(job.plans)) + common + (
                "--ledger", job.ledger, "--json")
@@ -329,14 +337,16 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, required=True)
     r.add_argument("--warmup", type=int, required=True)
     r.add_argument("--ledger", required=True)
-    q = sub.add_parser("probes", help="print the seconds a profile predicts for a plan's two speed probes")
+    q = sub.add_parser("probes", help="print the seconds a profile predicts for a plan's two speed probes, and "
+                                      "their kind (reference or model)")
     q.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
     q.add_argument("--model", required=True)
     q.add_argument("--system", required=True)
     q.add_argument("--dtype", required=True)
     args = p.parse_args(argv)
     if args.what == "probes":
-        print(" ".join(f"{t:.6g}" for t in probes(json.loads(args.plan), args.model, args.system, args.dtype)))
+        probe, norm, kind = probes(json.loads(args.plan), args.model, args.system, args.dtype)
+        print(f"{probe:.6g} {norm:.6g} {kind}")
         return 0
     added = record(args.result, json.loads(args.plan), args.model, args.system, args.nproc, args.dtype, args.steps,
                    args.warmup, args.ledger)

@@ -143,11 +143,7 @@ def emit_slurm(args) -> None:
         raise PerfsimError(f"a validation job runs at most {slurm.MAX_PLANS} plans, got {len(plans)}")
     ledger = args.ledger or "validation-xpu.jsonl"
     stem = os.path.splitext(ledger)[0]
-    from validate.speed_probe import expected_norm_probe_s, expected_probe_s, probe_gemm, probe_norm
-
-    profile = timing.harness_system(load_system(system), args.dtype)
-    probes = tuple((expected_probe_s(profile, args.dtype, probe_gemm(model, p)),
-                    expected_norm_probe_s(profile, args.dtype, probe_norm(model, p))) for p in plans)
+    probes = tuple(slurm.probes(p.as_dict(), model_spec, system, args.dtype) for p in plans)
     job = slurm.ValidationJob(nodes=world // slurm.TILES_PER_NODE, plans=tuple(p.as_dict() for p in plans), probes=probes,
                               model=model_spec, system=system, dtype=args.dtype, steps=args.steps,
                               warmup=args.warmup, timeout=args.timeout, ledger=ledger, results=stem + "-results",
