@@ -17,7 +17,8 @@ timed step): a minute or two per setting, for CI (tests/test_transfer_quick.py),
 the loop runs from scratch on another "machine", not how accurate it is. --plan-aware calibrates for
 the validation model and its plans instead (`perfsim calibrate --model M --plans P1;P2;...`, the
 issue's second case): each setting's row is then named <setting>-plan and its files go to
-DIR/<setting>-plan/.
+DIR/<setting>-plan/. --minutes (default 15, the issue's target) gives validate what calibrate left of
+them as its --budget: past its share a plan stops retaking steps off the profile's speed.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def validation_plans(nproc: int, model_spec: str) -> str:
                     for plan in default_plans(nproc, load_model(model_spec)))
 
 
-def run_setting(name: str, setting: dict, out: str, quick: bool, log, plan_aware: bool = False) -> dict:
+def run_setting(name: str, setting: dict, out: str, quick: bool, log, plan_aware: bool = False,
+                minutes: float = 0.0) -> dict:
     model = QUICK_MODEL if quick else VALIDATION_MODEL
     if plan_aware:
         name += "-plan"
@@ -135,6 +137,8 @@ def run_setting(name: str, setting: dict, out: str, quick: bool, log, plan_aware
                 "--system", profile, "--model", model,
                 "--ledger", os.path.join(where, "validation.jsonl"),
                 "--json"] + (["--plans", QUICK_PLANS[nproc], "--steps", "1"] if quick else [])
+    if minutes:  # validate gets what calibrate left of the setting's minutes (at least one)
+        validate += ["--budget", f"{max(1.0, minutes - cal_s / 60):.2f}"]
     code, text, val_s = perfsim(validate, env, log)
     if code:
         return {"setting": name, "error": f"validate exited {code}"}
@@ -189,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-aware", action="store_true",
                         help="calibrate for the validation model and plans (calibrate --model --plans)")
     parser.add_argument("--out", default="transfer-runs", help="folder of the ledgers, profiles and table")
+    parser.add_argument("--minutes", type=float, default=15.0,
+                        help="minutes a setting may take, calibrate and validate (issue 15's target): validate gets "
+                             "what calibrate left as its --budget (default 15; 0: no budget)")
     args = parser.parse_args(argv)
     names = [s for s in args.settings.split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
@@ -199,7 +206,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "transfer.log"), "a") as log:
         for name in names:
             print(f"[{len(rows) + 1}/{len(names)}] {name} ...", file=sys.stderr, flush=True)
-            rows.append(run_setting(name, SETTINGS[name], args.out, args.quick, log, args.plan_aware))
+            rows.append(run_setting(name, SETTINGS[name], args.out, args.quick, log, args.plan_aware, args.minutes))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows)
     print(text)

@@ -404,3 +404,31 @@ def test_fp32_steps_are_priced_in_four_byte_tensors(tmp_path):
         assert r["activation_bytes"]["counted"] == pytest.approx(r["activation_bytes"]["predicted"], rel=0.02)
         measured = r["peak_memory_bytes"]["measured"]  # the allocator's: a few % of run-to-run scatter
         assert abs(measured - r["peak_memory_bytes"]["predicted"]) < abs(measured - bf16["peak_memory_bytes"])
+
+
+def test_budget_shares_go_to_the_plans_not_in_the_ledger(run_cli, tmp_path, monkeypatch):
+    """`perfsim validate --budget` hands each plan still to be measured its share of the minutes
+    left as the seconds its timed steps may take before it stops retaking steps (a plan read back
+    from the ledger takes none); every step off speed, the progress line says the budget cut it."""
+    monkeypatch.chdir(tmp_path)
+    ledger = tmp_path / "v.jsonl"
+    _ledger_with_a_plan_at_speed(ledger, "tp=2,mbs=2,gbs=4")
+    system = timing.harness_system(load_system("cpu-calibrated"), "bf16")
+    shares = []
+
+    def fake_measure(plan, *args, retake_until_s=None, **kwargs):
+        shares.append(args[-1] if retake_until_s is None else retake_until_s)
+        prediction = timing.predicted(load_model(MODEL), system, plan, "bf16")
+        return {"step_times_s": [0.1] * 3, "step_time_s": 0.1, "at_speed": [False] * 3, "probe_s": [1.0] * 3,
+                "probe_expected_s": 1e-9, "norm_probe_s": [1.0] * 3, "norm_probe_expected_s": 1e-9,
+                **{k: prediction[k] for k in ("peak_memory_bytes", "flops", "comm_bytes", "activation_bytes")},
+                "comm_bytes_by_kind": {"all_reduce": prediction["comm_bytes"]}}
+
+    monkeypatch.setattr(timing, "measure_plan", fake_measure)
+    r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--model", MODEL, "--ledger", str(ledger),
+                "--plans", "tp=2,mbs=2,gbs=4;tp=2,mbs=1,gbs=2;tp=2,sp=true,mbs=2,gbs=4", "--budget", "1")
+    assert r.code == 0, r.err
+    assert len(shares) == 2  # the first plan came from the ledger
+    # 60 s over the two plans to measure; the first took no time (no ranks ran), so the last gets it all
+    assert shares == [pytest.approx(30.0, abs=1.0), pytest.approx(60.0, abs=2.0)]
+    assert r.err.count("its retakes cut short by --budget") == 2

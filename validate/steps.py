@@ -62,11 +62,12 @@ def _inject_fault(rank: int, world: int) -> None:
 def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
             threads: int | None = None, probe_expected_s: float | None = None,
             speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
-            reference_probes: bool = False) -> dict:
+            reference_probes: bool = False, retake_until_s: float | None = None) -> dict:
     """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks).
     `probe_expected_s` and `norm_probe_expected_s` are what the profile says the speed probes take,
     the GEMM and the LayerNorm (None: that probe lets every step count); `reference_probes`: the
-    probes are the calibration's reference kernels, else the model's FC1 GEMM and LayerNorm."""
+    probes are the calibration's reference kernels, else the model's FC1 GEMM and LayerNorm;
+    `retake_until_s`: no step is retaken once the timed steps have taken this long (None: no limit)."""
     import datetime
 
     import torch
@@ -113,15 +114,17 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     for _ in range(warmup - 1):
         timed_step()
     # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
-    # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran. Every rank
-    # takes the job-wide (slowest rank's) step and probe times, so all decide alike.
+    # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran, or (past `steps`)
+    # the timed steps have taken retake_until_s (validate.timing.retake_seconds: the run's time
+    # budget). Every rank takes the job-wide (slowest rank's) step and probe times, so all decide alike.
     if reference_probes:
         probe, norm_probe = make_reference_probes(torch, dev)
     else:
         probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
         norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
     times, probes, norm_probes, speed_flags = [], [], [], []
-    while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps:
+    while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps and (
+            len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
         dist.barrier()
         probe_s, norm_s = probe(), norm_probe()
         elapsed, probe_s, norm_s = job([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
@@ -178,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--norm-probe-expected", dest="norm_probe_expected", type=float, default=None,
                    help="seconds the profile predicts for one call of the LayerNorm speed probe; without it that probe lets every step count")
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=float, default=DEFAULT_TOLERANCE)
+    p.add_argument("--retake-until", dest="retake_until", type=float, default=None,
+                   help="seconds of timed steps after which no step off the profile's speed is retaken")
     p.add_argument("--reference-probes", dest="reference_probes", action="store_true",
                    help="probe with the calibration's reference kernels (validate.microbench.References)")
     args = p.parse_args(argv)
@@ -186,10 +191,12 @@ def main(argv=None) -> int:
     if not args.speed_tolerance > 0 or any(v is not None and not v > 0 for v in (args.probe_expected,
                                                                                args.norm_probe_expected)):
         p.error("--speed-tolerance, --probe-expected and --norm-probe-expected must be positive")
+    if args.retake_until is not None and not args.retake_until >= 0:
+        p.error("--retake-until must be 0 or more seconds")
     plan = Plan(**json.loads(args.plan))
     result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
                      args.timeout, args.threads, args.probe_expected, args.speed_tolerance, args.norm_probe_expected,
-                     args.reference_probes)
+                     args.reference_probes, args.retake_until)
     if result.pop("rank") == 0:
         tmp = args.out + ".part"
         with open(tmp, "w") as fh:

@@ -17,10 +17,11 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 from perfsim.errors import PerfsimError
 from perfsim.ledger import step_problem
-from validate.speed_probe import DEFAULT_TOLERANCE, all_at_speed, step_time
+from validate.speed_probe import DEFAULT_TOLERANCE, MAX_STEPS_FACTOR, all_at_speed, step_time
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
@@ -225,7 +226,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
 def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
                  timeout_s: float, threads, probe_expected_s: float | None = None,
                  speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
-                 reference_probes: bool = False) -> dict:
+                 reference_probes: bool = False, retake_until_s: float | None = None) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
     from validate.launcher import launch_ranks
 
@@ -237,7 +238,8 @@ def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, ste
             + (["--threads", str(threads)] if threads else []) \
             + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else []) \
             + (["--norm-probe-expected", repr(norm_probe_expected_s)] if norm_probe_expected_s else []) \
-            + (["--reference-probes"] if reference_probes else [])
+            + (["--reference-probes"] if reference_probes else []) \
+            + (["--retake-until", repr(retake_until_s)] if retake_until_s is not None else [])
         launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
                      resume="the ledger keeps the plans already measured; run the same command again to resume")
         with open(out) as fh:
@@ -372,14 +374,26 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
             "measured": measured, "predicted": prediction, "system": system.name}
 
 
+def retake_seconds(budget_s: float | None, elapsed_s: float, plans_left: int, overhead_s: float) -> float | None:
+    """Seconds of timed steps the next plan may take before it stops retaking steps that ran off
+    the profile's speed: an equal share of what is left of the run's budget, less what a plan costs
+    besides its timed steps (`overhead_s`: launch, build, warm-up and counting). None without a
+    budget. Its --steps timed steps are taken whatever the budget."""
+    if budget_s is None:
+        return None
+    return max(0.0, (budget_s - elapsed_s) / max(plans_left, 1) - overhead_s)
+
+
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
-              threads=None, progress=None, rounds: int = 1, speed_tolerance: float = DEFAULT_TOLERANCE) -> list:
+              threads=None, progress=None, rounds: int = 1, speed_tolerance: float = DEFAULT_TOLERANCE,
+              budget_s: float | None = None) -> list:
     """Measure (or read back from the ledger) and predict every plan; the `--json` list. With
     `rounds` > 1 the whole list is run that many times, one plan after the other each time, and a
     plan's step time is the median over all its rounds' steps at the profile's speed
     (validate.speed_probe, within `speed_tolerance`): a machine whose speed drifts over minutes
-    then weighs on every plan alike."""
+    then weighs on every plan alike. `budget_s`: seconds the measuring may take; each plan retakes
+    steps off the profile's speed only within its share (retake_seconds)."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
@@ -402,6 +416,8 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         check_available(device, "perfsim validate")
     predictions = [predicted(model, system, plan, dtype) for plan in plans]
     measured = [[] for _ in plans]
+    to_measure = sum(key not in _ledger_keys(ledger_path) for row in keys for key in row)
+    started, overheads = time.monotonic(), []  # each measured plan's wall time beyond its timed steps
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
         earlier = ledger.records
         for r in range(1, rounds + 1):
@@ -414,10 +430,15 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
                     probe, norm, _ = probe_expectations(system, dtype, model, plan, got.get("reference_probes", False))
                 else:
                     probe, norm, reference = probe_expectations(system, dtype, model, plan)
+                    retake = retake_seconds(budget_s, time.monotonic() - started, to_measure - len(overheads),
+                                            statistics.median(overheads) if overheads else 0.0)
+                    launched = time.monotonic()
                     got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
-                                       probe, speed_tolerance, norm, reference)
+                                       probe, speed_tolerance, norm, reference, retake)
+                    overheads.append(max(0.0, time.monotonic() - launched - sum(got["step_times_s"])))
                     ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
-                    source = "measured"
+                    source = "measured" + (" (its retakes cut short by --budget)" if retake is not None and sum(
+                        speed_flags(got)) < steps and len(got["step_times_s"]) < MAX_STEPS_FACTOR * steps else "")
                 got = judged(got, probe, norm, speed_tolerance)
                 measured[i].append(got)
                 real, pred = got["step_time_s"], prediction["step_time_s"]
@@ -432,11 +453,16 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 
-def _unmeasured(ledger_path: str, keys: list) -> bool:
-    """Whether any of `keys` (a list per round) is not in the ledger yet."""
+def _ledger_keys(ledger_path: str) -> set:
+    """The keys of the usable step records in the ledger (none if there is no ledger yet)."""
     from perfsim.ledger import read_ledger
 
-    have = {r["key"] for r in read_ledger(ledger_path, step_problem)[0]} if os.path.exists(ledger_path) else set()
+    return {r["key"] for r in read_ledger(ledger_path, step_problem)[0]} if os.path.exists(ledger_path) else set()
+
+
+def _unmeasured(ledger_path: str, keys: list) -> bool:
+    """Whether any of `keys` (a list per round) is not in the ledger yet."""
+    have = _ledger_keys(ledger_path)
     return any(k not in have for row in keys for k in row)
 
 

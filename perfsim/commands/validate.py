@@ -41,6 +41,9 @@ def register(sub) -> None:
                    help="a timed step counts when the GEMM probe before it took within this fraction of what the "
                         "profile predicts (the machine ran at its calibrated speed); more steps are taken, up to "
                         "3 x --steps, until --steps of them do (default 0.15; 'inf' counts every step)")
+    p.add_argument("--budget", type=_minutes, metavar="MINUTES",
+                   help="minutes the plans still to be measured may take in all: past its share a plan takes no "
+                        "more steps to replace those off the profile's speed, only its --steps (default: no limit)")
     p.add_argument("--warmup", type=whole_number(1, 100), default=1,
                    help="untimed steps after the first step (which makes one-time allocations), the first of them "
                         "measuring peak memory, 1 to 100 (default 1)")
@@ -65,6 +68,16 @@ def register(sub) -> None:
 
 
 HARNESS_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes such as 10, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text}")
+    return value
 
 
 def _tolerance(text: str) -> float:
@@ -230,7 +243,8 @@ def run_steps(args) -> list:
     plans = _chosen_plans(args, nproc, model=model, system=system)[0]
     results = timing.run_plans(plans, model, system, args.device, nproc, args.dtype, args.steps, args.warmup,
                                args.ledger, float(args.timeout), args.threads, rounds=args.rounds,
-                               speed_tolerance=args.speed_tolerance)
+                               speed_tolerance=args.speed_tolerance,
+                               budget_s=None if args.budget is None else 60 * args.budget)
     verdict = timing.machine_verdict(results)
     warning = None if verdict["matches"] else timing.mismatch_warning(
         verdict, system, args.speed_tolerance, *_recalibration(args, command, nproc, system))
