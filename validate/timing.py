@@ -416,7 +416,8 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         check_available(device, "perfsim validate")
     predictions = [predicted(model, system, plan, dtype) for plan in plans]
     measured = [[] for _ in plans]
-    to_measure = sum(key not in _ledger_keys(ledger_path) for row in keys for key in row)
+    have = _ledger_keys(ledger_path)
+    to_measure = sum(key not in have for row in keys for key in row)
     started, overheads = time.monotonic(), []  # each measured plan's wall time beyond its timed steps
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
         earlier = ledger.records
