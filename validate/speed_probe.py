@@ -15,8 +15,8 @@ measured then tests the machine's state, not the model. Before each timed step e
 A profile calibrated with reference kernels (device.speed_reference_gemm_s and _norm_s, the typical
 times of validate.microbench.References over its campaign) is judged by those kernels instead: the
 same GEMM and LayerNorm timed on the same machine, so the verdict does not depend on how well the
-profile prices the model's shapes (`probe_expectations`). The Slurm jobs still probe the model's
-shapes. The slowest rank's median of each counts. A step is *at speed* when each probe took at most
+profile prices the model's shapes (`probe_expectations`; the Slurm jobs pick the same way,
+validate.slurm.probes). The slowest rank's median of each counts. A step is *at speed* when each probe took at most
 `1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts for it; the
 plan's step time is the median of the steps at speed, and the ranks keep stepping, up to
 MAX_STEPS_FACTOR x the steps asked for, until that many are.

@@ -130,7 +130,6 @@ def emit_slurm(args) -> None:
     """`--emit-slurm FILE --nodes N`: the SMNG-P2 validation job (validate/slurm.py writes its text)."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
-    from perfsim.spec.system import load_system
 
     try:
         from validate import slurm, timing

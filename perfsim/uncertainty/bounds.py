@@ -6,8 +6,9 @@ The closed form is monotone in every number it samples: a step time is sums, pro
 non-negative counts, max()es and min()es (pipeline bubbles, overlap, the fastest collective
 algorithm) of terms each of which falls as a bandwidth, efficiency, peak or overlap share rises and
 as a latency, overhead or half-size falls; peak memory rises only with the reserved bytes, the
-allocator's share and the collective library's copies of a reduce-scatter's input. The exception: collectives take the route of least summed latency, so a shorter
-latency can move traffic onto a slower link; a corner bounds only draws that route as it does
+allocator's share and the collective library's copies of a reduce-scatter's input. The exception:
+collectives take the route of least summed latency, so a shorter latency can move traffic onto a
+slower link; a corner bounds only draws that route as it does
 (`routes`, checked by the robust search). tests/test_uncertainty_bounds.py checks this number by
 number on plans of every kind, and checks that the corners bound every draw.
 """
