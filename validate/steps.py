@@ -7,11 +7,10 @@ validate.pipeline, data parallelism in validate.sharded_dp, context parallelism 
 validate.context_parallel), runs it once, then once more while the allocator's peak
 is recorded (Device.allocation_peak: what the build and the first step keep, not their
 transients), then `warmup - 1` more untimed steps, then times `steps` steps (each the
-slowest rank's time between two barriers), and finally runs one more step
-under the counters: matrix FLOPs (LocalFlopCounter), bytes sent per collective kind
-(CollectiveCounter) and the peak of live bytes saved for backward (SavedBytes). Rank 0
-writes one JSON object; the command side (perfsim/commands/validate.py) predicts the same plan and
-appends both to the ledger.
+slowest rank's time between two barriers). The first step runs under the counters: matrix FLOPs
+(LocalFlopCounter), bytes sent per collective kind (CollectiveCounter) and the peak of live bytes
+saved for backward (SavedBytes). Rank 0 writes one JSON object; the command side
+(perfsim/commands/validate.py) predicts the same plan and appends both to the ledger.
 
 A collective that never completes (a rank that hangs or dies) raises after `timeout` seconds
 (the process group's timeout), so the launch ends with an error instead of waiting forever.
@@ -92,10 +91,15 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     # build and the first step left allocated. The first step makes one-time allocations a
     # steady step does not (DDP rebuilds its gradient buckets at its second forward, with the
     # first set still allocated), and the build's transients must not count either.
+    # The first step, untimed and outside the memory window, also runs under the counters: it runs
+    # what every step runs, and a step of its own for them cost a plan one step more (a minute of
+    # a validation on a slow machine).
     with dev.allocation_peak() as allocated:
         step = build_step(plan, model, dev.torch_device, dtype)
         _inject_fault(ranks.rank, ranks.world)
-        losses = [step.run()]
+        flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
+        with flops, comms, saved.hooks(), skipped_blocks() as skipped:
+            losses = [step.run()]
         allocated.window()
         losses.append(step.run())
     def job(values, op):
@@ -134,10 +138,6 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
         speed_flags.append(all_at_speed([probe_s, norm_s], [probe_expected_s, norm_probe_expected_s],
                                         speed_tolerance))
     peak = allocated.bytes
-
-    flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
-    with flops, comms, saved.hooks(), skipped_blocks() as skipped:
-        step.run()
     sent = comms.by_kind()
     kinds = sorted({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send"} | set(sent))
     # ring attention's blocks above the causal diagonal are not run but are in perfsim's count
