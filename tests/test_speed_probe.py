@@ -137,21 +137,29 @@ def test_the_error_at_the_measured_speed_moves_each_probed_part_by_its_probe():
 def test_a_budget_gives_each_plan_an_equal_share_for_its_retakes():
     """What is left of the run's budget split over the plans still to run, less what a plan costs
     besides its timed steps; never below 0; no budget, no limit."""
-    assert timing.retake_seconds(None, 50.0, 3, 4.0) is None
-    assert timing.retake_seconds(100.0, 10.0, 3, 5.0) == pytest.approx(25.0)  # 90 / 3 - 5
-    assert timing.retake_seconds(100.0, 120.0, 2, 0.0) == 0.0  # spent: --steps steps only
-    assert timing.retake_seconds(60.0, 0.0, 0, 0.0) == 60.0  # (a last plan re-measured)
+    assert speed_probe.retake_seconds(None, 50.0, 3, 4.0) is None
+    assert speed_probe.retake_seconds(100.0, 10.0, 3, 5.0) == pytest.approx(25.0)  # 90 / 3 - 5
+    assert speed_probe.retake_seconds(100.0, 120.0, 2, 0.0) == 0.0  # spent: --steps steps only
+    assert speed_probe.retake_seconds(60.0, 0.0, 0, 0.0) == 60.0  # (a last plan re-measured)
 
 
 @pytest.mark.multiprocess
 def test_a_plan_out_of_its_budget_takes_only_its_steps():
     """Every step off the profile's speed (a probe priced a million times too fast): without a
-    budget a plan takes 3 x --steps timed steps hoping for some at speed, with none left it takes
-    its --steps and stops."""
-    plan = timing.parse_plans("tp=2,mbs=1,gbs=1")[0]
+    budget a plan takes 3 x --steps timed steps hoping for some at speed; with none left it takes
+    its --steps and stops, whether the limit is given (--retake-until) or the ranks share out a
+    budget over the plans of one launch (--budget), where every plan gets its own result, in order."""
+    plans = timing.parse_plans("tp=2,mbs=1,gbs=1;tp=2,mbs=1,gbs=2")
     model = "layers=1,hidden=64,heads=2,seq=32,vocab=256,tied_embeddings=false,dropout=false"
-    common = (plan, model, "cpu", 2, "fp32", 2, 1, 60, 1, 1e-9)
+    common = (plans[0], model, "cpu", 2, "fp32", 2, 1, 60, 1, 1e-9)
     unlimited = timing.measure_plan(*common)
     spent = timing.measure_plan(*common, retake_until_s=0.0)
     assert not any(unlimited["at_speed"]) and len(unlimited["step_times_s"]) == speed_probe.MAX_STEPS_FACTOR * 2
     assert not any(spent["at_speed"]) and len(spent["step_times_s"]) == 2
+    jobs = [{"plan": plan, "probe_expected_s": 1e-9, "norm_probe_expected_s": None, "reference_probes": False}
+            for plan in plans]
+    seen = []
+    shared = timing.measure_plans(jobs, model, "cpu", 2, "fp32", 2, 1, 60, 1, budget_s=0.0,
+                                  done=lambda n, got: seen.append(n))
+    assert seen == [0, 1] and all(len(got["step_times_s"]) == 2 for got in shared)
+    assert shared[1]["flops"] == pytest.approx(2 * shared[0]["flops"])  # two micro-batches, in the plans' order

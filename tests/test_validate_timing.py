@@ -406,29 +406,59 @@ def test_fp32_steps_are_priced_in_four_byte_tensors(tmp_path):
         assert abs(measured - r["peak_memory_bytes"]["predicted"]) < abs(measured - bf16["peak_memory_bytes"])
 
 
-def test_budget_shares_go_to_the_plans_not_in_the_ledger(run_cli, tmp_path, monkeypatch):
-    """`perfsim validate --budget` hands each plan still to be measured its share of the minutes
-    left as the seconds its timed steps may take before it stops retaking steps (a plan read back
-    from the ledger takes none); every step off speed, the progress line says the budget cut it."""
+def test_budget_goes_to_the_plans_not_in_the_ledger(run_cli, tmp_path, monkeypatch):
+    """`perfsim validate --budget` hands the plans still to be measured, in one launch, the
+    minutes as seconds (the ranks share them out: speed_probe.retake_seconds); a plan read back
+    from the ledger is not launched; every step off speed, the progress line says the budget cut
+    it, and each plan reaches the ledger as its result comes."""
     monkeypatch.chdir(tmp_path)
     ledger = tmp_path / "v.jsonl"
     _ledger_with_a_plan_at_speed(ledger, "tp=2,mbs=2,gbs=4")
     system = timing.harness_system(load_system("cpu-calibrated"), "bf16")
-    shares = []
+    launches = []
 
-    def fake_measure(plan, *args, retake_until_s=None, **kwargs):
-        shares.append(args[-1] if retake_until_s is None else retake_until_s)
-        prediction = timing.predicted(load_model(MODEL), system, plan, "bf16")
-        return {"step_times_s": [0.1] * 3, "step_time_s": 0.1, "at_speed": [False] * 3, "probe_s": [1.0] * 3,
-                "probe_expected_s": 1e-9, "norm_probe_s": [1.0] * 3, "norm_probe_expected_s": 1e-9,
-                **{k: prediction[k] for k in ("peak_memory_bytes", "flops", "comm_bytes", "activation_bytes")},
-                "comm_bytes_by_kind": {"all_reduce": prediction["comm_bytes"]}}
+    def fake_measure(jobs, *args, budget_s=None, done=None, **kwargs):
+        launches.append(([job["plan"] for job in jobs], budget_s))
+        for n, job in enumerate(jobs):
+            prediction = timing.predicted(load_model(MODEL), system, job["plan"], "bf16")
+            before = len(ledger.read_text().splitlines())
+            done(n, {"step_times_s": [0.1] * 3, "step_time_s": 0.1, "at_speed": [False] * 3, "probe_s": [1.0] * 3,
+                     "probe_expected_s": 1e-9, "norm_probe_s": [1.0] * 3, "norm_probe_expected_s": 1e-9,
+                     **{k: prediction[k] for k in ("peak_memory_bytes", "flops", "comm_bytes", "activation_bytes")},
+                     "comm_bytes_by_kind": {"all_reduce": prediction["comm_bytes"]}})
+            assert len(ledger.read_text().splitlines()) == before + 1
 
-    monkeypatch.setattr(timing, "measure_plan", fake_measure)
+    monkeypatch.setattr(timing, "measure_plans", fake_measure)
     r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--model", MODEL, "--ledger", str(ledger),
                 "--plans", "tp=2,mbs=2,gbs=4;tp=2,mbs=1,gbs=2;tp=2,sp=true,mbs=2,gbs=4", "--budget", "1")
     assert r.code == 0, r.err
-    assert len(shares) == 2  # the first plan came from the ledger
-    # 60 s over the two plans to measure; the first took no time (no ranks ran), so the last gets it all
-    assert shares == [pytest.approx(30.0, abs=1.0), pytest.approx(60.0, abs=2.0)]
+    assert launches == [(timing.parse_plans("tp=2,mbs=1,gbs=2;tp=2,sp=true,mbs=2,gbs=4"), 60.0)]
     assert r.err.count("its retakes cut short by --budget") == 2
+
+
+def test_one_launch_hands_over_each_plan_as_it_ends_and_blames_the_plan_that_failed(monkeypatch):
+    """measure_plans: the plans' results reach `done` as rank 0 writes them (whole lines only),
+    and when the launch fails, the plans that ended keep their results and the error names the
+    first plan without one."""
+    from validate import launcher
+
+    plans = timing.parse_plans("tp=2,mbs=1,gbs=1;tp=2,mbs=1,gbs=2;dp=2,mbs=1,gbs=2")
+    jobs = [{"plan": p, "probe_expected_s": None, "norm_probe_expected_s": None, "reference_probes": False}
+            for p in plans]
+    seen = []
+
+    def fake_launch(argv, nproc, device, threads, what, resume, on_poll):
+        out = argv[argv.index("validate.steps") + 1]
+        assert json.load(open(argv[argv.index("--jobs") + 1]))[2]["plan"]["dp"] == 2
+        with open(out, "w") as fh:
+            fh.write(json.dumps({"n": 0}) + "\n" + json.dumps({"n": 1})[:5])  # the second line not whole yet
+        on_poll()
+        assert seen == [(0, {"n": 0})]
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"n": 1})[5:] + "\n")
+        raise PerfsimError(f"{what()} rank 1 exited with status 3; {resume}")
+
+    monkeypatch.setattr(launcher, "launch_ranks", fake_launch)
+    with pytest.raises(PerfsimError, match=r"^validation of dp2 zero0 [^:]*: rank 1 exited"):
+        timing.measure_plans(jobs, MODEL, "cpu", 2, "bf16", 2, 1, 60, 1, done=lambda n, got: seen.append((n, got)))
+    assert seen == [(0, {"n": 0}), (1, {"n": 1})]

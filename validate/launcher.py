@@ -186,10 +186,12 @@ def blame(failed: dict, running: list, tails: dict) -> Blame:
 def launch_ranks(python_argv: list, nproc: int, device: str = "cpu", threads: int | None = None,
                  what: str = "calibration",
                  resume: str = "the ledger keeps what was measured, run the same command again to resume",
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, on_poll=None) -> None:
     """Run `python python_argv...` as `nproc` ranks on this machine and wait for them; if one
-    fails, stop the others and raise a PerfsimError that blames the rank that caused it (`what`
-    starts the message, `resume` ends it). `env`: more environment variables for the ranks."""
+    fails, stop the others and raise a PerfsimError that blames the rank that caused it (`what`,
+    or what the callable `what` returns then, starts the message, `resume` ends it). `env`: more
+    environment variables for the ranks; `on_poll`: called while they run, every POLL_S (to take
+    their results as they come)."""
     base = dict(os.environ, **(env or {}))
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER_ENV: str(os.getpid())})
@@ -204,7 +206,7 @@ def launch_ranks(python_argv: list, nproc: int, device: str = "cpu", threads: in
                                           stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                                           start_new_session=True))
             outputs.append(_Output(procs[-1].stderr, sys.stderr if rank == 0 else None))
-        failed = _wait(procs, outputs)
+        failed = _wait(procs, outputs, on_poll)
     except KeyboardInterrupt:
         _stop(procs)
         raise PerfsimError(f"interrupted; {resume}") from None
@@ -215,12 +217,12 @@ def launch_ranks(python_argv: list, nproc: int, device: str = "cpu", threads: in
     _stop(procs)
     if failed:
         tails = {r: out.finish() for r, out in enumerate(outputs)}
-        raise PerfsimError(f"{what} {blame(failed, running, tails).message()}; {resume}")
+        raise PerfsimError(f"{what() if callable(what) else what} {blame(failed, running, tails).message()}; {resume}")
     for out in outputs:
         out.finish()
 
 
-def _wait(procs: list, outputs: list) -> dict:
+def _wait(procs: list, outputs: list, on_poll=None) -> dict:
     """Wait until every rank exited or one failed; rank -> status of the failed ones, in the
     order seen. While every failed rank only gave up on a peer, the others get PEER_GRACE_S to
     fail in their own words or be seen killed, so that the blame falls on the cause."""
@@ -237,6 +239,8 @@ def _wait(procs: list, outputs: list) -> dict:
             grace_ends = grace_ends or time.monotonic() + PEER_GRACE_S
             if time.monotonic() > grace_ends:
                 return failed
+        if on_poll is not None:
+            on_poll()
         time.sleep(POLL_S)
 
 

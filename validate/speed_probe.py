@@ -115,6 +115,16 @@ def step_time(times: list, speed_flags: list) -> float:
     return statistics.median(chosen or times)
 
 
+def retake_seconds(budget_s: float | None, elapsed_s: float, plans_left: int, overhead_s: float) -> float | None:
+    """Seconds of timed steps the next plan may take before it stops retaking steps that ran off
+    the profile's speed: an equal share of what is left of the run's budget, less what a plan costs
+    besides its timed steps (`overhead_s`: build, first and memory steps). None without a budget.
+    Its --steps timed steps are taken whatever the budget."""
+    if budget_s is None:
+        return None
+    return max(0.0, (budget_s - elapsed_s) / max(plans_left, 1) - overhead_s)
+
+
 def make_probe(torch, device, gemm, dtype: str):
     """On a rank: a no-argument function that times the probe and returns its median seconds."""
     from validate.microbench import GEMM_TIMING, Point, _shape, make_compute

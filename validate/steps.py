@@ -1,16 +1,18 @@
-"""Real training steps timed and counted, one plan per launch (`perfsim validate --device D --nproc N`).
+"""Real training steps timed and counted, for `perfsim validate --device D --nproc N`.
 
-Run as ranks (`python -m validate.steps OUT.json --plan JSON --model SPEC ...`, launched by
-validate.launcher.launch_ranks or mpiexec). Every rank builds the plan's training step
-(build_step: 1d / 1d+SP in validate.training, 2d / 2.5d / 3d in validate.multidim, pipelines in
-validate.pipeline, data parallelism in validate.sharded_dp, context parallelism in
-validate.context_parallel), runs it once, then once more while the allocator's peak
-is recorded (Device.allocation_peak: what the build and the first step keep, not their
-transients), then `warmup - 1` more untimed steps, then times `steps` steps (each the
-slowest rank's time between two barriers). The first step runs under the counters: matrix FLOPs
-(LocalFlopCounter), bytes sent per collective kind (CollectiveCounter) and the peak of live bytes
-saved for backward (SavedBytes). Rank 0 writes one JSON object; the command side
-(perfsim/commands/validate.py) predicts the same plan and appends both to the ledger.
+Run as ranks (`python -m validate.steps OUT --plan JSON --model SPEC ...` for one plan, or `--jobs
+FILE` for several, one after the other in the same processes: validate.launcher.launch_ranks
+starts them once for all the plans a run measures; the Slurm jobs use mpiexec and `--plan`). For
+each plan every rank builds the training step (build_step: 1d / 1d+SP in validate.training, 2d /
+2.5d / 3d in validate.multidim, pipelines in validate.pipeline, data parallelism in
+validate.sharded_dp, context parallelism in validate.context_parallel), runs it once under the
+counters (matrix FLOPs: LocalFlopCounter; bytes sent per collective kind: CollectiveCounter; the
+peak of live bytes saved for backward: SavedBytes), then once more while the allocator's peak is
+recorded (Device.allocation_peak: what the build and the first step keep, not their transients),
+then `warmup - 1` more untimed steps, then times `steps` steps (each the slowest rank's time
+between two barriers). Rank 0 writes each plan's result to OUT as a line of JSON as soon as the
+plan is done; the command side (validate.timing) predicts the same plan and appends both to the
+ledger.
 
 A collective that never completes (a rank that hangs or dies) raises after `timeout` seconds
 (the process group's timeout), so the launch ends with an error instead of waiting forever.
@@ -19,6 +21,7 @@ A collective that never completes (a rank that hangs or dies) raises after `time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,34 +61,70 @@ def _inject_fault(rank: int, world: int) -> None:
             time.sleep(10**6)
 
 
-def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
-            threads: int | None = None, probe_expected_s: float | None = None,
-            speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
-            reference_probes: bool = False, retake_until_s: float | None = None) -> dict:
-    """Run the plan on this rank; every rank returns the job-wide result (max or sum over ranks).
-    `probe_expected_s` and `norm_probe_expected_s` are what the profile says the speed probes take,
-    the GEMM and the LayerNorm (None: that probe lets every step count); `reference_probes`: the
-    probes are the calibration's reference kernels, else the model's FC1 GEMM and LayerNorm;
-    `retake_until_s`: no step is retaken once the timed steps have taken this long (None: no limit)."""
+def measure(jobs: list, model, device_kind: str, dtype_name: str, steps: int, warmup: int, timeout_s: float,
+            threads: int | None = None, speed_tolerance: float = DEFAULT_TOLERANCE,
+            retake_until_s: float | None = None, budget_s: float | None = None, done=None) -> None:
+    """Run each job's plan on this rank, one after the other in one process group, and call
+    `done(result)` with each plan's job-wide result (max or sum over ranks) as it finishes. A job
+    is {"plan": Plan, "probe_expected_s", "norm_probe_expected_s": what the profile says the
+    speed probes take, the GEMM and the LayerNorm (None: that probe lets every step count),
+    "reference_probes": the probes are the calibration's reference kernels, else the model's FC1
+    GEMM and LayerNorm}. `retake_until_s`: no plan retakes a step once its timed steps have taken
+    this long; `budget_s`: seconds all the plans may take, each retaking steps only within its
+    share (speed_probe.retake_seconds); None: no limit."""
     import datetime
+    import gc
+    import statistics
 
     import torch
     import torch.distributed as dist
 
     from validate.ranks import rank_environment
-    from validate.context_parallel import skipped_blocks
     from validate.device import Device, distributed_backend
-    from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
-    from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe,
-                                      make_reference_probes, probe_gemm, probe_norm, step_time)
+    from validate.speed_probe import retake_seconds
 
     ranks = rank_environment()
     dev = Device(device_kind, ranks.local_rank, threads)
     dist.init_process_group(distributed_backend(device_kind), rank=ranks.rank, world_size=ranks.world,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": dev.torch_device} if device_kind != "cpu" else {}))
-    if ranks.world != plan.devices:
-        raise ValueError(f"the plan uses {plan.devices} devices but {ranks.world} ranks were started")
+    for job in jobs:
+        if ranks.world != job["plan"].devices:
+            raise ValueError(f"the plan uses {job['plan'].devices} devices but {ranks.world} ranks were started")
+
+    def job_wide(values, op):
+        t = torch.tensor(values, dtype=torch.float64, device=dev.torch_device if device_kind != "cpu" else "cpu")
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    started, overheads = time.perf_counter(), []  # each plan's seconds besides its timed steps
+    for i, job in enumerate(jobs):
+        retake = retake_until_s
+        if budget_s is not None:  # every rank must stop retaking after the same step: the slowest rank's share
+            share = retake_seconds(budget_s, time.perf_counter() - started, len(jobs) - i,
+                                   statistics.median(overheads) if overheads else 0.0)
+            retake = min(share, retake) if retake is not None else share
+            retake = job_wide([retake], dist.ReduceOp.MIN)[0]
+        begun = time.perf_counter()
+        result = _measure_plan(torch, dist, dev, ranks, job, model, device_kind, dtype_name, steps, warmup,
+                               speed_tolerance, retake, job_wide)
+        overheads.append(time.perf_counter() - begun - sum(result["step_times_s"]))
+        if done is not None:
+            done(result)
+        gc.collect()  # the plan's modules, optimizer states and process subgroups' tensors
+    dist.barrier()  # nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, dtype_name: str, steps: int,
+                  warmup: int, speed_tolerance: float, retake_until_s: float | None, job_wide) -> dict:
+    """One job of `measure` on this rank: the plan built, counted, measured and timed."""
+    from validate.context_parallel import skipped_blocks
+    from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
+    from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe,
+                                      make_reference_probes, probe_gemm, probe_norm, step_time)
+
+    plan, probe_expected_s, norm_probe_expected_s = job["plan"], job["probe_expected_s"], job["norm_probe_expected_s"]
     dtype = getattr(torch, DTYPES[dtype_name])
     # Peak memory: what the allocator holds while the step runs its second time, with what the
     # build and the first step left allocated. The first step makes one-time allocations a
@@ -102,10 +141,6 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
             losses = [step.run()]
         allocated.window()
         losses.append(step.run())
-    def job(values, op):
-        t = torch.tensor(values, dtype=torch.float64, device=dev.torch_device if device_kind != "cpu" else "cpu")
-        dist.all_reduce(t, op=op)
-        return t.tolist()
 
     def timed_step() -> float:
         dist.barrier()
@@ -119,9 +154,9 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
         timed_step()
     # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
     # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran, or (past `steps`)
-    # the timed steps have taken retake_until_s (validate.timing.retake_seconds: the run's time
-    # budget). Every rank takes the job-wide (slowest rank's) step and probe times, so all decide alike.
-    if reference_probes:
+    # the timed steps have taken retake_until_s (the plan's share of the run's time budget). Every
+    # rank takes the job-wide (slowest rank's) step and probe times, so all decide alike.
+    if job["reference_probes"]:
         probe, norm_probe = make_reference_probes(torch, dev)
     else:
         probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
@@ -131,7 +166,7 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
             len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
         dist.barrier()
         probe_s, norm_s = probe(), norm_probe()
-        elapsed, probe_s, norm_s = job([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
+        elapsed, probe_s, norm_s = job_wide([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
         times.append(elapsed)
         probes.append(probe_s)
         norm_probes.append(norm_s)
@@ -141,22 +176,20 @@ def measure(plan, model, device_kind: str, dtype_name: str, steps: int, warmup: 
     sent = comms.by_kind()
     kinds = sorted({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send"} | set(sent))
     # ring attention's blocks above the causal diagonal are not run but are in perfsim's count
-    summed = job([float(flops.total() + sum(skipped.values()))] + [sent.get(k, 0.0) for k in kinds], dist.ReduceOp.SUM)
-    maxed = job([float(peak), float(saved.peak)], dist.ReduceOp.MAX)
-    result = {
+    summed = job_wide([float(flops.total() + sum(skipped.values()))] + [sent.get(k, 0.0) for k in kinds],
+                      dist.ReduceOp.SUM)
+    maxed = job_wide([float(peak), float(saved.peak)], dist.ReduceOp.MAX)
+    return {
         "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
         "step_times_s": times, "step_time_s": step_time(times, speed_flags),
         "probe_s": probes, "probe_expected_s": probe_expected_s, "at_speed": speed_flags,
         "norm_probe_s": norm_probes, "norm_probe_expected_s": norm_probe_expected_s,
-        "reference_probes": reference_probes,
+        "reference_probes": job["reference_probes"],
         "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),
         "comm_bytes": sum(summed[1:]),
     }
-    dist.barrier()  # nobody tears down while a peer still talks to it
-    dist.destroy_process_group()
-    return result
 
 
 def main(argv=None) -> int:
@@ -165,10 +198,14 @@ def main(argv=None) -> int:
     die_with_launcher()
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
+    from validate.ranks import rank_environment
 
     p = argparse.ArgumentParser(prog="python -m validate.steps", description=__doc__.splitlines()[0])
-    p.add_argument("out", help="JSON file rank 0 writes")
-    p.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
+    p.add_argument("out", help="file rank 0 writes: a line of JSON per plan, each as soon as it is measured")
+    plans = p.add_mutually_exclusive_group(required=True)
+    plans.add_argument("--plan", help="the plan as a JSON object of perfsim Plan fields")
+    plans.add_argument("--jobs", help="JSON file: a list of jobs, each {plan, probe_expected_s, "
+                                      "norm_probe_expected_s, reference_probes}, measured in one launch")
     p.add_argument("--model", required=True, help="perfsim model spec")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "xpu"))
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
@@ -183,6 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--speed-tolerance", dest="speed_tolerance", type=float, default=DEFAULT_TOLERANCE)
     p.add_argument("--retake-until", dest="retake_until", type=float, default=None,
                    help="seconds of timed steps after which no step off the profile's speed is retaken")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds all the plans may take; past its share of them a plan retakes no step")
     p.add_argument("--reference-probes", dest="reference_probes", action="store_true",
                    help="probe with the calibration's reference kernels (validate.microbench.References)")
     args = p.parse_args(argv)
@@ -191,17 +230,21 @@ def main(argv=None) -> int:
     if not args.speed_tolerance > 0 or any(v is not None and not v > 0 for v in (args.probe_expected,
                                                                                args.norm_probe_expected)):
         p.error("--speed-tolerance, --probe-expected and --norm-probe-expected must be positive")
-    if args.retake_until is not None and not args.retake_until >= 0:
-        p.error("--retake-until must be 0 or more seconds")
-    plan = Plan(**json.loads(args.plan))
-    result = measure(plan, load_model(args.model), args.device, args.dtype, args.steps, args.warmup,
-                     args.timeout, args.threads, args.probe_expected, args.speed_tolerance, args.norm_probe_expected,
-                     args.reference_probes, args.retake_until)
-    if result.pop("rank") == 0:
-        tmp = args.out + ".part"
-        with open(tmp, "w") as fh:
-            json.dump(result, fh)
-        os.replace(tmp, args.out)
+    if any(v is not None and not v >= 0 for v in (args.retake_until, args.budget)):
+        p.error("--retake-until and --budget must be 0 or more seconds")
+    if args.jobs:
+        with open(args.jobs) as fh:
+            jobs = [dict(job, plan=Plan(**job["plan"])) for job in json.load(fh)]
+    else:
+        jobs = [{"plan": Plan(**json.loads(args.plan)), "probe_expected_s": args.probe_expected,
+                 "norm_probe_expected_s": args.norm_probe_expected, "reference_probes": args.reference_probes}]
+    with open(args.out, "w") if rank_environment().rank == 0 else contextlib.nullcontext() as out:
+        def write(result):  # rank 0: one whole line per plan as it finishes (the launcher reads them as they come)
+            if result.pop("rank") == 0:
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+        measure(jobs, load_model(args.model), args.device, args.dtype, args.steps, args.warmup, args.timeout,
+                args.threads, args.speed_tolerance, args.retake_until, args.budget, write)
     # Leave without the interpreter's teardown: a C++ thread of torch's runtime that is still
     # joinable at exit aborts the process now and then ("terminate called without an active
     # exception") after all the work is done and written.

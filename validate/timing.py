@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 from perfsim.errors import PerfsimError
 from perfsim.ledger import step_problem
@@ -223,27 +222,55 @@ def predicted(model, system, plan, dtype: str) -> dict:
             "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}
 
 
+def measure_plans(jobs: list, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
+                  timeout_s: float, threads, speed_tolerance: float = DEFAULT_TOLERANCE,
+                  retake_until_s: float | None = None, budget_s: float | None = None, done=None) -> list:
+    """Launch the ranks once for all `jobs` (validate.steps.measure's, plans as Plans) and return
+    rank 0's results in their order; `done(index, result)` is called with each as soon as the
+    ranks wrote it, so that a run stopped or failed keeps the plans it finished. One launch for
+    all spares each plan the start of its ranks (seconds of interpreter and torch imports, and on
+    a GPU a context and a communicator)."""
+    from validate.launcher import launch_ranks
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="perfsim-validate-") as tmp:
+        out, jobs_file = os.path.join(tmp, "results.jsonl"), os.path.join(tmp, "jobs.json")
+        with open(jobs_file, "w") as fh:
+            json.dump([dict(job, plan=job["plan"].as_dict()) for job in jobs], fh)
+        argv = ["-m", "validate.steps", out, "--jobs", jobs_file, "--model", model_spec,
+                "--device", device, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
+                "--timeout", str(timeout_s), "--speed-tolerance", repr(speed_tolerance)] \
+            + (["--threads", str(threads)] if threads else []) \
+            + (["--retake-until", repr(retake_until_s)] if retake_until_s is not None else []) \
+            + (["--budget", repr(budget_s)] if budget_s is not None else [])
+        def take() -> None:  # the whole lines rank 0 wrote since the last look (a few kB: read again each time)
+            if not os.path.exists(out):
+                return
+            with open(out) as fh:
+                lines = fh.read().split("\n")
+            for line in lines[len(results):-1]:
+                results.append(json.loads(line))
+                if done is not None:
+                    done(len(results) - 1, results[-1])
+
+        def running() -> str:  # the plan a failure is blamed on: the first one without a result
+            take()
+            return f"validation of {plan_label(jobs[min(len(results), len(jobs) - 1)]['plan'])}:"
+        launch_ranks(argv, nproc, device, threads, what=running, on_poll=take,
+                     resume="the ledger keeps the plans already measured; run the same command again to resume")
+        take()
+    return results
+
+
 def measure_plan(plan, model_spec: str, device: str, nproc: int, dtype: str, steps: int, warmup: int,
                  timeout_s: float, threads, probe_expected_s: float | None = None,
                  speed_tolerance: float = DEFAULT_TOLERANCE, norm_probe_expected_s: float | None = None,
                  reference_probes: bool = False, retake_until_s: float | None = None) -> dict:
     """Launch the ranks for one plan and return rank 0's result."""
-    from validate.launcher import launch_ranks
-
-    with tempfile.TemporaryDirectory(prefix="perfsim-validate-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        argv = ["-m", "validate.steps", out, "--plan", json.dumps(plan.as_dict()), "--model", model_spec,
-                "--device", device, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup),
-                "--timeout", str(timeout_s), "--speed-tolerance", repr(speed_tolerance)] \
-            + (["--threads", str(threads)] if threads else []) \
-            + (["--probe-expected", repr(probe_expected_s)] if probe_expected_s else []) \
-            + (["--norm-probe-expected", repr(norm_probe_expected_s)] if norm_probe_expected_s else []) \
-            + (["--reference-probes"] if reference_probes else []) \
-            + (["--retake-until", repr(retake_until_s)] if retake_until_s is not None else [])
-        launch_ranks(argv, nproc, device, threads, what=f"validation of {plan_label(plan)}:",
-                     resume="the ledger keeps the plans already measured; run the same command again to resume")
-        with open(out) as fh:
-            return json.load(fh)
+    job = {"plan": plan, "probe_expected_s": probe_expected_s, "norm_probe_expected_s": norm_probe_expected_s,
+           "reference_probes": reference_probes}
+    return measure_plans([job], model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
+                         speed_tolerance, retake_until_s)[0]
 
 
 # Why a ledger line is not a usable training-step record (None if it is): perfsim's reader checks
@@ -374,16 +401,6 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
             "measured": measured, "predicted": prediction, "system": system.name}
 
 
-def retake_seconds(budget_s: float | None, elapsed_s: float, plans_left: int, overhead_s: float) -> float | None:
-    """Seconds of timed steps the next plan may take before it stops retaking steps that ran off
-    the profile's speed: an equal share of what is left of the run's budget, less what a plan costs
-    besides its timed steps (`overhead_s`: launch, build, warm-up and counting). None without a
-    budget. Its --steps timed steps are taken whatever the budget."""
-    if budget_s is None:
-        return None
-    return max(0.0, (budget_s - elapsed_s) / max(plans_left, 1) - overhead_s)
-
-
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
               threads=None, progress=None, rounds: int = 1, speed_tolerance: float = DEFAULT_TOLERANCE,
@@ -416,41 +433,55 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         check_available(device, "perfsim validate")
     predictions = [predicted(model, system, plan, dtype) for plan in plans]
     measured = [[] for _ in plans]
-    have = _ledger_keys(ledger_path)
-    to_measure = sum(key not in have for row in keys for key in row)
-    started, overheads = time.monotonic(), []  # each measured plan's wall time beyond its timed steps
+
+    def report(r: int, i: int, got: dict, source: str, probe, norm) -> None:
+        got = judged(got, probe, norm, speed_tolerance)
+        measured[i].append(got)
+        real, pred = got["step_time_s"], predictions[i]["step_time_s"]
+        where = f"round {r}/{rounds} " if rounds > 1 else ""
+        speed = machine_speed(got)
+        off = "" if machine_matches(speed["steps_at_speed"], speed["steps"]) else "".join(
+            f", {name} probe {speed[key]:.2g}x the profile's time" for name, key in
+            (("GEMM", "probe_over_profile"), ("LayerNorm", "norm_probe_over_profile")) if speed[key])
+        progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plans[i])}: {source} {real:.3f} s, "
+                 f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%); "
+                 f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed{off}")
+
+    def from_ledger(r: int, i: int, record: dict) -> None:
+        got = record["measured"]
+        # judged against the kernels its probes timed (records before the reference kernels
+        # timed the model's), whatever this profile would probe with now
+        probe, norm, _ = probe_expectations(system, dtype, model, plans[i], got.get("reference_probes", False))
+        report(r, i, got, "from the ledger", probe, norm)
+
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
-        earlier = ledger.records
-        for r in range(1, rounds + 1):
-            for i, (plan, prediction) in enumerate(zip(plans, predictions)):
-                key = keys[r - 1][i]
-                if key in earlier:
-                    got, source = earlier[key]["measured"], "from the ledger"
-                    # judged against the kernels its probes timed (records before the reference
-                    # kernels timed the model's), whatever this profile would probe with now
-                    probe, norm, _ = probe_expectations(system, dtype, model, plan, got.get("reference_probes", False))
-                else:
-                    probe, norm, reference = probe_expectations(system, dtype, model, plan)
-                    retake = retake_seconds(budget_s, time.monotonic() - started, to_measure - len(overheads),
-                                            statistics.median(overheads) if overheads else 0.0)
-                    launched = time.monotonic()
-                    got = measure_plan(plan, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads,
-                                       probe, speed_tolerance, norm, reference, retake)
-                    overheads.append(max(0.0, time.monotonic() - launched - sum(got["step_times_s"])))
-                    ledger.append(step_record(key, model_spec, plan, dtype, steps, warmup, got, prediction, system))
-                    source = "measured" + (" (its retakes cut short by --budget)" if retake is not None and sum(
-                        speed_flags(got)) < steps and len(got["step_times_s"]) < MAX_STEPS_FACTOR * steps else "")
-                got = judged(got, probe, norm, speed_tolerance)
-                measured[i].append(got)
-                real, pred = got["step_time_s"], prediction["step_time_s"]
-                where = f"round {r}/{rounds} " if rounds > 1 else ""
-                speed = machine_speed(got)
-                off = "" if machine_matches(speed["steps_at_speed"], speed["steps"]) else "".join(
-                    f", {name} probe {speed[key]:.2g}x the profile's time" for name, key in
-                    (("GEMM", "probe_over_profile"), ("LayerNorm", "norm_probe_over_profile")) if speed[key])
-                progress(f"{where}[{i + 1}/{len(plans)}] {plan_label(plan)}: {source} {real:.3f} s, "
-                         f"predicted {pred:.3f} s ({100 * (pred / real - 1):+.1f}%); "
-                         f"{speed['steps_at_speed']} of {speed['steps']} steps at the profile's speed{off}")
+        earlier = dict(ledger.records)
+        order = [(r, i, keys[r - 1][i]) for r in range(1, rounds + 1) for i in range(len(plans))]
+        todo = list({key: (r, i, key) for r, i, key in reversed(order) if key not in earlier}.values())[::-1]
+        for r, i, key in order:
+            if key in earlier:
+                from_ledger(r, i, earlier[key])
+        jobs = []
+        for r, i, key in todo:
+            probe, norm, reference = probe_expectations(system, dtype, model, plans[i])
+            jobs.append({"plan": plans[i], "probe_expected_s": probe, "norm_probe_expected_s": norm,
+                         "reference_probes": reference})
+
+        def finished(n: int, got: dict) -> None:
+            r, i, key = todo[n]
+            earlier[key] = ledger.append(step_record(key, model_spec, plans[i], dtype, steps, warmup, got,
+                                                     predictions[i], system))
+            cut = budget_s is not None and sum(speed_flags(got)) < steps and len(got["step_times_s"]) < MAX_STEPS_FACTOR * steps
+            report(r, i, got, "measured" + (" (its retakes cut short by --budget)" if cut else ""),
+                   jobs[n]["probe_expected_s"], jobs[n]["norm_probe_expected_s"])
+        if jobs:
+            measure_plans(jobs, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads, speed_tolerance,
+                          budget_s=budget_s, done=finished)
+        # a plan listed twice (in a round, or in every round with --rounds) was measured once
+        first = {key: (r, i) for r, i, key in todo}
+        for r, i, key in order:
+            if key in first and first[key] != (r, i):
+                from_ledger(r, i, earlier[key])
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 

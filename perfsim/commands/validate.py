@@ -5,7 +5,7 @@ run's logged step time and `TFLOPs:` (perfsim/megatron_log.py) with the predicti
 and megatron_ds_tflops_per_device.
 
 `--device D --nproc N` runs real training steps here (validate/timing.py launches
-validate/steps.py as N ranks per plan): every plan (`--plans`, plan flags for one, or the default
+validate/steps.py as N ranks once for all the plans to measure): every plan (`--plans`, plan flags for one, or the default
 set of at least 12) is timed and counted, predicted with the device's calibrated profile, and kept
 in the ledger (`--ledger`, resumed on a re-run).
 """
