@@ -15,6 +15,7 @@ import time
 import pytest
 
 from perfsim.calibrate import read_ledger
+from perfsim.cost.layer import Gemm, backward_gemms
 from perfsim.ledger import step_problem
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
@@ -258,7 +259,9 @@ def test_plans_measure_the_kernels_and_groups_of_each_plan_into_one_ledger(run_c
                   for x in records if x["suite"] == "gemm" and x.get("origin") == "plan"}
     tp2 = set(mb.plan_gemms(load_model(model), Plan(tp=2, mbs=2, gbs=2)))
     cp2 = set(mb.plan_gemms(load_model(model), Plan(cp=2, mbs=2, gbs=2)))
-    assert {g[1:] for g in tp2 | cp2} == plan_gemms
+    # each forward GEMM and its backward's two products at their own shapes (perfsim.cost.layer.backward_gemms)
+    shapes = {(g.count, g.m, g.n, g.k) for g in (Gemm(*x) for x in tp2 | cp2) for g in (g, *backward_gemms(g))}
+    assert shapes == plan_gemms and {g[1:] for g in tp2 | cp2} < plan_gemms
     assert ("scores", 16, 16, 16, 16) in cp2  # mbs/cp x heads x cp^2 blocks of (s/cp)^2 x head_dim
     groups = {tuple(x["group"]) for x in records if x["suite"] == "collective"}
     assert (2, 1) in groups

@@ -52,6 +52,31 @@ def test_near_a_measured_shape_the_prediction_is_the_measurement_and_far_away_th
         pytest.approx(curve)
 
 
+def test_backward_gemms_are_priced_at_their_own_shapes():
+    """A head GEMM's backward: without a table twice its forward (the curve is symmetric in m, n and
+    k); with a table whose only slow shapes are the forward's, the two backward products (data
+    gradient (m, k, n), weight gradient (n, k, m), as torch's linear computes them) keep the
+    curve's time, so the backward is no longer 2 x the measured forward."""
+    from perfsim.cost.layer import backward_gemms, work
+
+    system = load_system("cpu-example")
+    peak = system.device.peak_flops_bf16
+    head = Gemm("head", 1, 512, 8192, 512)
+    assert [(g.m, g.n, g.k) for g in backward_gemms(head)] == [(512, 512, 8192), (8192, 512, 512)]
+    scores = Gemm("scores", 16, 256, 256, 64)  # no weights: B's gradient A^T dC is (k, n, m)
+    assert [(g.count, g.m, g.n, g.k) for g in backward_gemms(scores)] == [(16, 256, 64, 256), (16, 64, 256, 256)]
+    plain = work(system.device, peak, [head], [])
+    assert plain.backward_s == pytest.approx(2 * plain.time_s) and plain.weight_grad_s == pytest.approx(plain.time_s)
+    slow_forward = lambda m, n, k: np.where(np.asarray(n) == 8192, 3.0, 1.0)  # noqa: E731
+    table = _gemm_table(system.device, peak, [(512, 8192, 512), (512, 512, 8192), (8192, 512, 512)], speed=slow_forward,
+                        width=0.1)
+    device = dataclasses.replace(system.device, measured=(table,), kernel_dtype="bf16")
+    timed = work(device, peak, [head], [])
+    assert timed.time_s == pytest.approx(3 * plain.time_s, rel=1e-3)
+    assert timed.backward_s == pytest.approx(plain.backward_s, rel=1e-3)
+    assert timed.weight_grad_s == pytest.approx(plain.weight_grad_s, rel=1e-3)
+
+
 def test_arrays_are_interpolated_as_each_element_alone():
     system = load_system("cpu-example")
     peak = system.device.peak_flops_bf16

@@ -47,7 +47,7 @@ from perfsim.calibrate import SUITES
 from perfsim.calibrate.overlap import CONCURRENT_TIMING  # noqa: F401 (campaign.measure reads it here)
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
-from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, layer_memory_ops
+from perfsim.cost.layer import KIND_TRAFFIC, MEMORY_BACKWARD, OP_KINDS, Gemm, backward_gemms, layer_memory_ops
 from perfsim.cost.measured import FLASH_KERNELS
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import Plan
@@ -345,9 +345,12 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
     if "gemm" in suites:
         for dtype in dtypes:
             for name, count, m, n, k in plan_gemms(model, plan):
-                if 2.0 * count * m * n * k <= 4 * sweep.max_gemm_flops:
-                    add(Point("gemm", "matmul" if count == 1 else "bmm", dtype, _shape(count=count, m=m, n=n, k=k),
-                              origin="plan", timing=GEMM_TIMING))
+                if 2.0 * count * m * n * k > 4 * sweep.max_gemm_flops:
+                    continue
+                forward = Gemm(name, count, m, n, k)
+                for g in (forward, *backward_gemms(forward)):  # the shapes perfsim prices backward at
+                    add(Point("gemm", "matmul" if count == 1 else "bmm", dtype,
+                              _shape(count=count, m=g.m, n=g.n, k=g.k), origin="plan", timing=GEMM_TIMING))
             for m, n, k in itertools.product(sweep.gemm_dims, repeat=3):
                 if 2.0 * m * n * k <= sweep.max_gemm_flops:
                     add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING))

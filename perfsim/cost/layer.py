@@ -31,7 +31,6 @@ from perfsim.spec.system import BACKWARD, Device
 
 BF16 = 2  # bytes per element of activations and weights
 FP32 = 4
-GEMM_BACKWARD = 2.0  # data and weight gradient
 MEMORY_BACKWARD = 1.5  # three tensor passes against two (the bytes of an element-wise backward)
 # Forward bytes per element of each element-wise kind: (tensor passes, extra bytes), i.e. passes x
 # the element size + extra: reads + writes, a dropout's one-byte mask, and the cross-entropy's bf16
@@ -85,7 +84,7 @@ class Work:
     core_time_s: object = 0.0
     core_backward_s: object = 0.0  # the attention core's part of backward_s
     backward_s: object = 0.0  # the backward pass of the same ops
-    weight_grad_s: object = 0.0  # the weight-gradient GEMMs inside backward_s (same shapes as forward)
+    weight_grad_s: object = 0.0  # the weight-gradient GEMMs inside backward_s (backward_gemms' second)
     curve_s: object = 0.0  # of time_s + backward_s, what rests on the parametric curves alone (cost/measured.py)
 
 
@@ -119,6 +118,28 @@ def gemm_time_and_share(device: Device, peak_flops: float, g: Gemm) -> tuple:
 
 def gemm_time(device: Device, peak_flops: float, g: Gemm):
     return gemm_time_and_share(device, peak_flops, g)[0]
+
+
+def backward_gemms(g: Gemm) -> tuple:
+    """The two products of C[m, n] = A[m, k] B[k, n]'s backward, each at its own shape: A's
+    gradient dC B^T (m, k, n) and B's gradient (k, n, m); a weight's gradient (a linear layer's
+    W[n, k]) as torch computes it, dC^T A (n, k, m). Same FLOPs as the forward, other shapes: a
+    logits head's data gradient (tokens x hidden, summed over the vocabulary) runs at another
+    efficiency than its forward (tokens x vocabulary over hidden)."""
+    first = replace(g, m=g.m, n=g.k, k=g.n)
+    second = replace(g, m=g.k, n=g.n, k=g.m) if g.name in ATTENTION_CORE else replace(g, m=g.n, n=g.k, k=g.m)
+    return first, second
+
+
+def gemm_backward_times(device: Device, peak_flops: float, g: Gemm, forward_s, forward_share) -> tuple:
+    """(seconds of the first, of the second backward product (backward_gemms), their curve share).
+    The parametric curve is symmetric in m, n and k, so without a measured table each is the
+    forward's time; with one, each is looked up at its own shape."""
+    if measured.find_table(device.measured, measured.GEMM, device.kernel_dtype) is None:
+        return forward_s, forward_s, forward_share
+    (first, first_share), (second, second_share) = (gemm_time_and_share(device, peak_flops, b)
+                                                    for b in backward_gemms(g))
+    return first, second, (first * first_share + second * second_share) / (first + second)
 
 
 def _streaming_time(device: Device, nbytes, efficiency):
@@ -281,17 +302,19 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
     unfused = 1 - flash
     for g in gemms:
         flops = 2.0 * g.count * g.m * g.n * g.k
-        time, share = gemm_time_and_share(*gemm_rate(device, peak_flops, g, fp8), g)
+        rate = gemm_rate(device, peak_flops, g, fp8)
+        time, share = gemm_time_and_share(*rate, g)
+        first, second, backward_share = gemm_backward_times(*rate, g, time, share)
         total.flops = total.flops + flops
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
-            time = unfused * time
+            time, first, second = unfused * time, unfused * first, unfused * second
             total.core_flops, total.core_time_s = total.core_flops + flops, total.core_time_s + time
-            total.core_backward_s = total.core_backward_s + GEMM_BACKWARD * time
+            total.core_backward_s = total.core_backward_s + first + second
         else:
-            total.weight_grad_s = total.weight_grad_s + time
+            total.weight_grad_s = total.weight_grad_s + second
         total.time_s = total.time_s + time
-        total.backward_s = total.backward_s + GEMM_BACKWARD * time
-        total.curve_s = total.curve_s + share * (1 + GEMM_BACKWARD) * time
+        total.backward_s = total.backward_s + first + second
+        total.curve_s = total.curve_s + share * time + backward_share * (first + second)
         if g.name == ATTENTION_CORE[0] and np.any(flash):  # no table lookups for batches without a flash plan
             forward, backward, forward_share, backward_share = flash_attention_times(device, peak_flops, g)
             total.time_s = total.time_s + flash * forward
