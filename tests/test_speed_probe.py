@@ -3,6 +3,8 @@ is then (docs/real-steps-timing.md, "Machine speed")."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from perfsim.cost.layer import gemm_time
@@ -108,8 +110,10 @@ def test_reference_probes_time_the_calibrations_reference_kernels():
     got = timing.measure_plan(plan, model, "cpu", 2, "fp32", 2, 1, 60, 1, alone["gemm"], 10.0, alone["memory"],
                               reference_probes=True)
     assert len(got["probe_s"]) == len(got["norm_probe_s"]) == len(got["step_times_s"]) >= 2
+    # each probe's median over the steps: on two cores a step's probe now and then reads several
+    # times slow (in a full test run once 6.7x), which says nothing of which kernels it timed
     for probes, expected in ((got["probe_s"], alone["gemm"]), (got["norm_probe_s"], alone["memory"])):
-        assert all(0.2 * expected < p < 5 * expected for p in probes)
+        assert all(p > 0 for p in probes) and 0.2 * expected < statistics.median(probes) < 5 * expected, (probes, expected)
     assert all(got["at_speed"])  # a tolerance of 10x: the kernels ran, and were judged against those times
     assert got["reference_probes"] is True  # recorded, so that a read-back is judged against the same kernels
 
