@@ -410,7 +410,8 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     plan's step time is the median over all its rounds' steps at the profile's speed
     (validate.speed_probe, within `speed_tolerance`): a machine whose speed drifts over minutes
     then weighs on every plan alike. `budget_s`: seconds the measuring may take; each plan retakes
-    steps off the profile's speed only within its share (retake_seconds)."""
+    steps off the profile's speed only within its share (speed_probe.retake_seconds, worked out by the
+    ranks before each plan)."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
