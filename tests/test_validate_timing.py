@@ -462,3 +462,26 @@ def test_one_launch_hands_over_each_plan_as_it_ends_and_blames_the_plan_that_fai
     with pytest.raises(PerfsimError, match=r"^validation of dp2 zero0 [^:]*: rank 1 exited"):
         timing.measure_plans(jobs, MODEL, "cpu", 2, "bf16", 2, 1, 60, 1, done=lambda n, got: seen.append((n, got)))
     assert seen == [(0, {"n": 0}), (1, {"n": 1})]
+
+
+def test_a_plan_listed_twice_is_measured_once(tmp_path, monkeypatch):
+    """The same plan twice in one list: one job in the launch, one ledger record, and both
+    entries report it (the second read back)."""
+    system = timing.harness_system(load_system("cpu-calibrated"), "bf16")
+    launched, messages = [], []
+
+    def fake_measure(jobs, *args, done=None, **kwargs):
+        launched.append(len(jobs))
+        prediction = timing.predicted(load_model(MODEL), system, jobs[0]["plan"], "bf16")
+        done(0, {"step_times_s": [0.1] * 2, "step_time_s": 0.1, "at_speed": [True] * 2, "probe_s": [1.0] * 2,
+                 "probe_expected_s": 1.0, "norm_probe_s": [1.0] * 2, "norm_probe_expected_s": 1.0,
+                 **{k: prediction[k] for k in ("peak_memory_bytes", "flops", "comm_bytes", "activation_bytes")},
+                 "comm_bytes_by_kind": {"all_reduce": prediction["comm_bytes"]}})
+
+    monkeypatch.setattr(timing, "measure_plans", fake_measure)
+    ledger = tmp_path / "v.jsonl"
+    results = timing.run_plans(timing.parse_plans("tp=2,mbs=2,gbs=4;tp=2,mbs=2,gbs=4"), MODEL, "cpu-calibrated", "cpu",
+                               2, steps=2, ledger_path=str(ledger), progress=messages.append)
+    assert launched == [1] and len(ledger.read_text().splitlines()) == 1
+    assert [r["step_time_s"]["measured"] for r in results] == [0.1, 0.1]
+    assert "measured" in messages[0] and "from the ledger" in messages[1]

@@ -243,6 +243,7 @@ def measure_plans(jobs: list, model_spec: str, device: str, nproc: int, dtype: s
             + (["--threads", str(threads)] if threads else []) \
             + (["--retake-until", repr(retake_until_s)] if retake_until_s is not None else []) \
             + (["--budget", repr(budget_s)] if budget_s is not None else [])
+
         def take() -> None:  # the whole lines rank 0 wrote since the last look (a few kB: read again each time)
             if not os.path.exists(out):
                 return
@@ -458,7 +459,11 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     with Ledger(ledger_path, {"device_kind": device, "world_size": nproc}, check=step_record_problem) as ledger:
         earlier = dict(ledger.records)
         order = [(r, i, keys[r - 1][i]) for r in range(1, rounds + 1) for i in range(len(plans))]
-        todo = list({key: (r, i, key) for r, i, key in reversed(order) if key not in earlier}.values())[::-1]
+        todo, seen = [], set()  # what to measure: a plan listed twice in one round only once
+        for r, i, key in order:
+            if key not in earlier and key not in seen:
+                todo.append((r, i, key))
+                seen.add(key)
         for r, i, key in order:
             if key in earlier:
                 from_ledger(r, i, earlier[key])
@@ -478,7 +483,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         if jobs:
             measure_plans(jobs, model_spec, device, nproc, dtype, steps, warmup, timeout_s, threads, speed_tolerance,
                           budget_s=budget_s, done=finished)
-        # a plan listed twice (in a round, or in every round with --rounds) was measured once
+        # the plans listed again, measured once above
         first = {key: (r, i) for r, i, key in todo}
         for r, i, key in order:
             if key in first and first[key] != (r, i):

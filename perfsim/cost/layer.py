@@ -126,7 +126,7 @@ def backward_gemms(g: Gemm) -> tuple:
     W[n, k]) as torch computes it, dC^T A (n, k, m). Same FLOPs as the forward, other shapes: a
     logits head's data gradient (tokens x hidden, summed over the vocabulary) runs at another
     efficiency than its forward (tokens x vocabulary over hidden)."""
-    first = replace(g, m=g.m, n=g.k, k=g.n)
+    first = replace(g, n=g.k, k=g.n)
     second = replace(g, m=g.k, n=g.n, k=g.m) if g.name in ATTENTION_CORE else replace(g, m=g.n, n=g.k, k=g.m)
     return first, second
 
