@@ -29,7 +29,6 @@ def main() -> None:
     import torch.nn.functional as F
 
     from perfsim.spec.model import load_model
-    from perfsim.spec.plan import Plan
     from validate.microbench import plan_gemms
     from validate.timing import DEFAULT_MODEL, parse_plans
 
@@ -41,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    plan = parse_plans(args.plan)[0] if "=" in args.plan else Plan()
-    print(f"| GEMM | m x n x k | forward (ms) | F.linear / forward | dX / forward | dW / forward | backward / (2 x forward) |")
+    plan = parse_plans(args.plan)[0]
+    print("| GEMM | m x n x k | forward (ms) | F.linear / forward | dX / forward | dW / forward | backward / (2 x forward) |")
     print("|---|---|---|---|---|---|---|")
     for name, count, m, n, k in plan_gemms(load_model(args.model), plan):
         if count != 1:
