@@ -395,7 +395,7 @@ def _suite_launches(options, system: str) -> tuple:
 
     ranked, unmeasured = builtin_case_priorities(system, CALIBRATE_SUITES)
     note = ["Suites in the order of what their numbers settle (perfsim/calibrate/priority.py,",
-            f"docs/calibration.md): the built-in case (gpt3-175b on 16 nodes, global batch 300) over prior",
+            "docs/calibration.md): the built-in case (gpt3-175b on 16 nodes, global batch 300) over prior",
             f"draws of {system}'s ranges; `perfsim sensitivity --plan-choice` shows the numbers one by one."]
     note += [f"Not measured by this job: {key} ({decides:.0%} of the doubt about the plan, {moves:.0%} of the "
              "step time's variance)" for key, decides, moves in unmeasured]
