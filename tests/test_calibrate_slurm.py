@@ -28,6 +28,11 @@ VALIDATE_ARGS = ("validate", "--emit-slurm", "validate.sbatch", "--nodes", "2", 
                  "--plans", VALIDATE_PLANS, "--steps", "5", "--time", "00:30:00", "--account", "pn12ab",
                  "--setup", 'source "$HOME/venvs/torch-xpu/bin/activate"', "--ledger", "steps.jsonl")
 
+# What rank 0 of validate.steps writes for a plan (a stand-in's numbers).
+STEP_RESULT = {"world": 16, "backend": "xccl", "device": "stand-in", "step_times_s": [0.5, 0.4, 0.6],
+               "step_time_s": 0.5, "losses": [9.0, 8.9], "peak_memory_bytes": 2e9, "activation_bytes": 1e8,
+               "flops": 1e13, "comm_bytes_by_kind": {"all_reduce": 1e9}, "comm_bytes": 1e9}
+
 
 def emit(run_cli, tmp_path, monkeypatch, args, *said) -> Path:
     """Run an --emit-slurm command line in tmp_path; the script it wrote (args[2])."""
@@ -146,7 +151,7 @@ def test_overhead_runs_record_what_the_local_campaign_records(tmp_path):
     probe, norm = float(probe), float(norm)
     assert probe > 0 and norm > 0
     result = tmp_path / "run.json"
-    result.write_text(FAKE_MPIEXEC.split("<<'JSON'\n")[1].split("JSON\n")[0])
+    result.write_text(json.dumps(STEP_RESULT))
     ledger = tmp_path / "steps.jsonl"
     assert slurm.record(str(result), plan.as_dict(), model, "smng-p2", 16, "bf16", 3, 1, str(ledger))
     key = json.loads(ledger.read_text().splitlines()[-1])["key"]
@@ -189,89 +194,161 @@ def test_emit_slurm_and_fit_never_import_torch(tmp_path):
 
 # --- perfsim validate --emit-slurm ------------------------------------------------------------
 
-def test_validation_script_runs_every_plan_under_mpiexec(validation_job):
+def _jobs(script: str) -> list:
+    """The jobs the validation script writes to $RESULTS/jobs.json (its heredoc)."""
+    return json.loads(script.split("<<'JOBS'\n")[1].split("\nJOBS\n")[0])
+
+
+def test_validation_script_runs_every_plan_in_one_launch(validation_job):
     from perfsim import cli
     from validate.timing import parse_plans
 
-    lines = validation_job.read_text().splitlines()
+    text = validation_job.read_text()
+    lines = text.splitlines()
     assert "#SBATCH --nodes=2" in lines and "export CCL_OP_SYNC=1" in lines and "export ZE_FLAT_DEVICE_HIERARCHY=FLAT" in lines
-    mpiexec = next(line.strip() for line in lines if line.strip().startswith("mpiexec"))
-    assert mpiexec.startswith('mpiexec -n "$NRANKS" -ppn 8 python -m validate.steps "$result" --plan "$plan" --device xpu')
-    assert "--steps 5" in mpiexec and "--dtype bf16" in mpiexec
-    runs = [line for line in lines if line.startswith("run_plan ")]
-    assert len(runs) == 3
+    mpiexec = [line.strip() for line in lines if line.strip().startswith("mpiexec")]
+    assert len(mpiexec) == 1 and mpiexec[0].startswith(
+        'mpiexec -n "$NRANKS" -ppn 8 python -m validate.steps "$launch.jsonl" --jobs "$launch.jobs.json" --device xpu')
+    assert "--steps 5" in mpiexec[0] and "--dtype bf16" in mpiexec[0]
+    jobs = _jobs(text)
+    assert len(jobs) == 3 and all(set(job) == {"plan", "probe_expected_s", "norm_probe_expected_s", "reference_probes"}
+                                  for job in jobs)
+    assert not any(job["reference_probes"] for job in jobs)  # smng-p2 has no reference kernels
     # the comparison line is a valid `perfsim validate` command over the same plans
     compare = next(line for line in lines if line.startswith("python -m perfsim.cli validate"))
     argv = shlex.split(compare.split(" > ")[0])[3:]
     args = cli.make_parser().parse_args(argv)
     assert (args.device, args.nproc, args.ledger, args.json, args.steps) == ("xpu", 16, "steps.jsonl", True, 5)
-    planned = [json.loads(shlex.split(line)[2]) for line in runs]
+    planned = [job["plan"] for job in jobs]
     assert [p.as_dict() for p in parse_plans(args.plans)] == planned
     assert [p.as_dict() for p in parse_plans(VALIDATE_PLANS)] == planned
 
 
+# Stand-in for mpiexec running `validate.steps OUT --jobs JOBS`: logs the launch and writes rank 0's
+# line for each job; at a plan whose JSON holds $FAKE_FAIL_PLAN it writes half a line and fails.
 FAKE_MPIEXEC = """#!/bin/bash
-# Stand-in for mpiexec: logs the launch, writes what rank 0 of validate.steps would write.
 echo "$*" >> "$FAKE_LOG"
 while [ "$#" -gt 0 ] && [ "$1" != validate.steps ]; do shift; done
-shift
-cat > "$1" <<'JSON'
-{"world": 16, "backend": "xccl", "device": "stand-in", "step_times_s": [0.5, 0.4, 0.6], "step_time_s": 0.5,
- "losses": [9.0, 8.9], "peak_memory_bytes": 2e9, "activation_bytes": 1e8, "flops": 1e13,
- "comm_bytes_by_kind": {"all_reduce": 1e9}, "comm_bytes": 1e9}
-JSON
+python - "$2" "$4" <<'PY'
+import json, os, sys
+fail = os.environ.get("FAKE_FAIL_PLAN")
+with open(sys.argv[1], "w") as out:
+    for job in json.load(open(sys.argv[2])):
+        if fail and fail in json.dumps(job["plan"], sort_keys=True):
+            out.write('{"world": 16, "step_ti')
+            sys.exit(1)
+        out.write(json.dumps(""" + repr(STEP_RESULT) + """) + "\\n")
+PY
 """
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_validation_job_runs_end_to_end_and_resumes(validation_job, tmp_path):
-    """The script under bash with stand-ins for mpiexec and scontrol: each plan is launched once,
-    recorded in the ledger with its prediction, and `perfsim validate --device xpu` then reads all
-    of them back (it would launch local ranks for a missing one, and fail: no XPU here).
-    Submitting again launches nothing."""
-    from perfsim.calibrate import read_ledger
-    from validate.slurm import record
-    from validate.timing import step_record_problem
-
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    (probe / "r.json").write_text(FAKE_MPIEXEC.split("<<'JSON'\n")[1].split("JSON\n")[0])
-    record(str(probe / "r.json"), {"tp": 8}, VALIDATE_MODEL, "smng-p2", 8, "bf16", 3, 1, str(probe / "l.jsonl"))
-    records, problems = read_ledger(str(probe / "l.jsonl"), step_record_problem)
-    if problems or not records:  # else the compare step would launch 16 local XPU ranks (and fail slowly)
-        pytest.xfail(f"perfsim.calibrate.read_ledger skips the validation run's step records ({problems}): "
-                     "`perfsim validate --device` cannot resume from its ledger yet")
+def _stand_ins(tmp_path, mpiexec: str) -> dict:
+    """bin/ with mpiexec, scontrol and python stand-ins; the environment the job script runs in."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "mpiexec").write_text(FAKE_MPIEXEC)
+    (bin_dir / "mpiexec").write_text(mpiexec)
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho node001\n")
     (bin_dir / "python").write_text(f'#!/bin/bash\nexec {shlex.quote(sys.executable)} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="node[001-002]", FAKE_LOG=str(tmp_path / "launches.log"), HOME=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     (tmp_path / "venvs" / "torch-xpu" / "bin").mkdir(parents=True)
     (tmp_path / "venvs" / "torch-xpu" / "bin" / "activate").write_text("")
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+                SLURM_JOB_NODELIST="node[001-002]", FAKE_LOG=str(tmp_path / "launches.log"), HOME=str(tmp_path),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def _submit(job, tmp_path, env) -> tuple:
+    """(the script's run, the launches logged so far)."""
+    result = subprocess.run(["bash", str(job)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    log = tmp_path / "launches.log"
+    return result, log.read_text().splitlines() if log.exists() else []
+
+
+def _ledger_plans(tmp_path) -> list:
+    return [json.loads(line)["plan"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_validation_job_runs_end_to_end_and_resumes(validation_job, tmp_path):
+    """The script under bash with stand-ins for mpiexec and scontrol: one launch runs the three
+    plans, each recorded in the ledger with its prediction, and `perfsim validate --device xpu`
+    then reads all of them back. Submitting again launches nothing."""
+    env = _stand_ins(tmp_path, FAKE_MPIEXEC)
     for attempt in (1, 2):
-        result = subprocess.run(["bash", str(validation_job)], cwd=tmp_path, env=env, capture_output=True, text=True)
+        result, launches = _submit(validation_job, tmp_path, env)
         assert result.returncode == 0, result.stderr
-        launches = (tmp_path / "launches.log").read_text().splitlines()
-        assert len(launches) == 3, launches  # the second submission launches nothing
-        assert all(line.startswith("-n 16 -ppn 8 python -m validate.steps") for line in launches)
-        assert not any("--reference-probes" in line for line in launches)  # smng-p2 has no reference kernels
+        assert len(launches) == 1, launches  # the second submission launches nothing
+        assert launches[0].startswith("-n 16 -ppn 8 python -m validate.steps steps-results/launch-0.jsonl --jobs "
+                                      "steps-results/launch-0.jobs.json --device xpu")
     compared = json.loads((tmp_path / "steps.json").read_text())
     assert len(compared) == 3
     for entry in compared:
         assert entry["step_time_s"]["measured"] == 0.5 and entry["step_time_s"]["predicted"] > 0
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(records) == 3 and {r["world_size"] for r in records} == {16}
+    assert [r["plan"] for r in records] == [job["plan"] for job in _jobs(validation_job.read_text())]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_a_plan_that_fails_its_launch_costs_only_itself(validation_job, tmp_path):
+    """The launch fails in the second plan, after half its line: the first plan is recorded, the
+    second left out and named, the third measured in a launch of its own; the job then stops
+    before the comparison. Submitting again does not retry the failed plan; removing its launch's
+    files, as the message says, does, and the job completes."""
+    env = dict(_stand_ins(tmp_path, FAKE_MPIEXEC), FAKE_FAIL_PLAN='"pp": 2')
+    result, launches = _submit(validation_job, tmp_path, env)
+    assert result.returncode == 1 and len(launches) == 2
+    assert '"pp": 2' in result.stderr and "is left out: launch-0 ended (exit status 1)" in result.stderr
+    assert "remove steps-results/launch-0.* to try it again" in result.stderr
+    assert [p["pp"] for p in _ledger_plans(tmp_path)] == [1, 1] and not (tmp_path / "steps.json").exists()
+    assert "--jobs steps-results/launch-1.jobs.json" in launches[1]
+    assert [j["plan"]["dp"] for j in json.loads((tmp_path / "steps-results" / "launch-1.jobs.json").read_text())] == [2]
+    result, launches = _submit(validation_job, tmp_path, env)
+    assert result.returncode == 1 and len(launches) == 2
+    for leftover in (tmp_path / "steps-results").glob("launch-0.*"):
+        leftover.unlink()
+    env.pop("FAKE_FAIL_PLAN")
+    result, launches = _submit(validation_job, tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    assert len(launches) == 3 and "--jobs steps-results/launch-2.jobs.json" in launches[2]
+    assert sorted(p["pp"] for p in _ledger_plans(tmp_path)) == [1, 1, 2]
+    assert len(json.loads((tmp_path / "steps.json").read_text())) == 3
+
+
+def test_a_launch_cut_short_blames_no_plan(tmp_path):
+    """A launch without a status file (the batch job's time ran out in it) is not held against the
+    plan it was running: `next` records the whole lines and hands that plan to the next launch."""
+    from validate import slurm
+
+    results = tmp_path / "results"
+    results.mkdir()
+    plans = [{"tp": 8}, {"tp": 8, "pp": 2, "gbs": 8}]
+    jobs = [{"plan": p, "probe_expected_s": 1e-3, "norm_probe_expected_s": 1e-4, "reference_probes": False}
+            for p in plans]
+    (results / "jobs.json").write_text(json.dumps(jobs))
+    (results / "launch-0.jobs.json").write_text(json.dumps(jobs))
+    (results / "launch-0.jsonl").write_text(json.dumps(STEP_RESULT) + "\n" + '{"world": 8, "st')
+    ledger = tmp_path / "steps.jsonl"
+    stem, failed = slurm.next_launch(str(results), VALIDATE_MODEL, "smng-p2", 8, "bf16", 3, 1, str(ledger))
+    assert failed == [] and stem == str(results / "launch-1")
+    assert [j["plan"] for j in json.loads((results / "launch-1.jobs.json").read_text())] == plans[1:]
+    assert [json.loads(line)["plan"]["pp"] for line in ledger.read_text().splitlines()] == [1]
+    (results / "launch-0.status").write_text("143\n")  # with a status, the cut line blames the plan
+    (results / "launch-1.jobs.json").unlink()
+    stem, failed = slurm.next_launch(str(results), VALIDATE_MODEL, "smng-p2", 8, "bf16", 3, 1, str(ledger))
+    assert stem is None and [(plan["pp"], launch, status) for plan, launch, status in failed] == [(2, "launch-0", "143")]
+    assert len(ledger.read_text().splitlines()) == 1  # recorded once
+    out = subprocess.run([sys.executable, "-m", "validate.slurm", "next", str(tmp_path / "none"), "--model",
+                          VALIDATE_MODEL, "--system", "smng-p2", "--dtype", "bf16", "--ledger", str(ledger), "--nproc",
+                          "8", "--steps", "3", "--warmup", "1"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "none" in out.stderr
 
 
 def test_a_profile_with_reference_kernels_gets_them_as_the_jobs_probes(run_cli, tmp_path, monkeypatch):
     """A profile calibrated with reference kernels (device.speed_reference_*_s) is judged by them in
     the Slurm job too, as `perfsim validate --device` judges it: each plan's probes are those
-    kernels' times and validate.steps gets --reference-probes; without them, the model's probes."""
+    kernels' times and validate.steps gets reference_probes; without them, the model's probes."""
     from validate import slurm
 
     profile = tmp_path / "smng-p2-refs.toml"
@@ -281,9 +358,9 @@ def test_a_profile_with_reference_kernels_gets_them_as_the_jobs_probes(run_cli, 
     assert slurm.probes({"tp": 8}, VALIDATE_MODEL, str(profile), "bf16") == (0.0123, 0.000456, "reference")
     assert slurm.probes({"tp": 8}, VALIDATE_MODEL, "smng-p2", "bf16")[2] == "model"
     script = emit(run_cli, tmp_path, monkeypatch, VALIDATE_ARGS + ("--system", str(profile)), "3 plan(s)").read_text()
-    runs = [line for line in script.splitlines() if line.startswith("run_plan ")]
-    assert len(runs) == 3 and all(line.endswith(" 0.0123 0.000456 reference") for line in runs)
-    assert script.count(slurm.REFERENCE_FLAG) == 1
+    jobs = _jobs(script)
+    assert len(jobs) == 3 and all((j["probe_expected_s"], j["norm_probe_expected_s"], j["reference_probes"])
+                                  == (0.0123, 0.000456, True) for j in jobs)
     for kind, flag in (("reference", "--reference-probes"), ("model", "")):
         shell = subprocess.run(["bash", "-c", f"kind={kind}; echo {slurm.REFERENCE_FLAG}"], capture_output=True, text=True)
         assert shell.stdout.strip() == flag

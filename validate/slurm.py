@@ -12,12 +12,17 @@ the script sets from the allocation. The environment is the one the SMNG-P2 LLM 
 (shared/reference/hardware.md). After the campaign the script fits the profile on the first node.
 No torch is needed to write the script.
 
-The validation job runs each plan's training step as one `mpiexec` launch of `python -m
-validate.steps` (the per-rank program `perfsim validate --device` launches locally), which writes
-rank 0's result; `python -m validate.slurm record` adds the result and perfsim's prediction to the
-ledger exactly as the local run does (validate.timing), and finally `perfsim validate --device xpu
---ledger ... --json` reads every plan back from the ledger (nothing is measured again) and writes
-the comparison. A plan whose result file exists is not run again: resubmitting resumes.
+The validation job runs every plan in one `mpiexec` launch of `python -m validate.steps --jobs`
+(the per-rank program `perfsim validate --device` launches locally), so that the ranks import torch
+from the shared file system and build their oneCCL communicators once, not once per plan. Rank 0
+writes each plan's result as a line the moment the plan ends. Before each launch `python -m
+validate.slurm next` adds the lines of the launches before it to the ledger, with perfsim's
+prediction, exactly as the local run does (validate.timing), and writes the jobs of the plans still
+missing. A launch that fails is blamed on the first of its plans without a result, which is left
+out of the next launch; so one plan that cannot run (out of memory, say) does not cost the others.
+Finally `perfsim validate --device xpu --ledger ... --json` reads every plan back from the ledger
+(nothing is measured again) and writes the comparison. Resubmitting resumes: a plan in the ledger
+is not run again, and a launch the time limit cut short is not held against its plan.
 """
 
 from __future__ import annotations
@@ -252,6 +257,12 @@ def plans_argument(plans) -> str:
     return ";".join(",".join(f"{k}={value(v)}" for k, v in p.items()) for p in plans)
 
 
+def validation_jobs(job: ValidationJob) -> list:
+    """validate.steps --jobs entries of the job's plans: each plan with its speed probes' seconds."""
+    return [{"plan": plan, "probe_expected_s": probe, "norm_probe_expected_s": norm,
+             "reference_probes": kind == "reference"} for plan, (probe, norm, kind) in zip(job.plans, job.probes)]
+
+
 def validation_script(job: ValidationJob) -> str:
     """The validation batch script's text (deterministic: compared byte for byte by the golden test)."""
     if not 1 <= len(job.plans) <= MAX_PLANS:
@@ -261,6 +272,7 @@ def validation_script(job: ValidationJob) -> str:
     common = ("--model", job.model, "--dtype", job.dtype, "--steps", str(job.steps), "--warmup", str(job.warmup))
     lines = _preamble(job, "perfsim validate (real training steps)", "perfsim validate --emit-slurm",
                       "skips the plans already measured", f"$(( {job.port_base} + SLURM_JOB_ID % 100 * {MAX_PLANS} ))")
+    jobs = ",\n".join(json.dumps(entry, sort_keys=True, separators=(",", ":")) for entry in validation_jobs(job))
     lines += [
         "PORT0=$MASTER_PORT",
         f"RESULTS={shlex.quote(job.results)}",
@@ -271,27 +283,31 @@ def validation_script(job: ValidationJob) -> str:
         f'if [ "$NRANKS" -ne {job.world} ]; then echo "the plans need {job.world} ranks, the job has $NRANKS" >&2; '
         "exit 1; fi",
         "",
-        "# One launch per plan; rank 0 writes the plan's result, which is then added to the ledger",
-        "# with perfsim's prediction (as `perfsim validate --device` does when it launches locally).",
-        "# The third and fourth arguments are the seconds the profile predicts for the plan's speed",
-        "# probes (a GEMM, a LayerNorm): steps taken while a tile ran off that speed are taken again",
-        "# (validate/speed_probe.py). The fifth says which kernels they are: the calibration's reference",
-        "# kernels (reference) or the model's FC1 GEMM and LayerNorm (model).",
-        "run_plan() {",
-        '    local i=$1 plan=$2 probe=$3 norm=$4 kind=$5 result="$RESULTS/plan-$1.json"',
-        '    MASTER_PORT=$(( PORT0 + i )); export MASTER_PORT',
-        '    if [ ! -s "$result" ]; then',
-        f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
-        f'--device xpu {_command(common)} --timeout {job.timeout} --probe-expected "$probe" '
-        f'--norm-probe-expected "$norm" {REFERENCE_FLAG}',
-        "    fi",
-        f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --system '
-        f'{shlex.quote(job.system)} {_command(common)} --ledger {shlex.quote(job.ledger)}',
-        "}",
+        "# The plans, each with the seconds the profile predicts for its speed probes (a GEMM, a",
+        "# LayerNorm; the calibration's reference kernels where reference_probes is true, else the",
+        "# model's FC1 GEMM and LayerNorm): steps taken while a tile ran off that speed are taken again",
+        "# (validate/speed_probe.py).",
+        "cat > \"$RESULTS/jobs.json\" <<'JOBS'",
+        "[" + jobs + "]",
+        "JOBS",
+        "",
+        "# One launch runs every plan not yet in the ledger, one after the other; rank 0 writes each",
+        "# plan's result as a line when the plan ends. `validate.slurm next` adds those lines to the",
+        "# ledger with perfsim's prediction (as `perfsim validate --device` does when it launches",
+        "# locally) and names the next launch's jobs, nothing once every plan is in. A launch that",
+        "# fails is blamed on its first plan without a result, which the next launch leaves out.",
+        "attempt=0",
+        "while :; do",
+        f'    launch=$(python -m validate.slurm next "$RESULTS" --nproc "$NRANKS" --system {shlex.quote(job.system)} '
+        f'{_command(common)} --ledger {shlex.quote(job.ledger)})',
+        '    [ -n "$launch" ] || break',
+        '    MASTER_PORT=$(( PORT0 + attempt )); export MASTER_PORT; attempt=$(( attempt + 1 ))',
+        "    status=0",
+        f'    mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$launch.jsonl" --jobs "$launch.jobs.json" '
+        f'--device xpu {_command(common)} --timeout {job.timeout} || status=$?',
+        '    echo "$status" > "$launch.status"',
+        "done",
     ]
-    for i, (plan, (probe, norm, kind)) in enumerate(zip(job.plans, job.probes)):
-        lines.append(f"run_plan {i} {shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))} "
-                     f"{probe:.6g} {norm:.6g} {kind}")
     compare = ("python", "-m", "perfsim.cli", "validate", "--device", "xpu", "--nproc", str(job.world),
                "--system", job.system, "--plans", plans_argument(job.plans)) + common + (
                "--ledger", job.ledger, "--json")
@@ -301,8 +317,13 @@ def validation_script(job: ValidationJob) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(result_path: str, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
-           warmup: int, ledger_path: str) -> bool:
+def _read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def record_result(measured: dict, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
+                  warmup: int, ledger_path: str) -> bool:
     """Append rank 0's result of one plan, with perfsim's prediction, to the ledger under the key
     `perfsim validate --device xpu --nproc N` looks up; False if it was there already."""
     from perfsim.spec.model import load_model
@@ -313,8 +334,6 @@ def record(result_path: str, plan: dict, model_spec: str, system_name: str, npro
 
     plan = Plan(**plan)
     key = timing.point_key(model_spec, plan, dtype, steps, warmup, "xpu", nproc)
-    with open(result_path) as fh:
-        measured = json.load(fh)
     system = timing.harness_system(load_system(system_name), dtype)
     with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}, check=timing.step_record_problem) as ledger:
         if ledger.done(key):
@@ -322,6 +341,63 @@ def record(result_path: str, plan: dict, model_spec: str, system_name: str, npro
         prediction = timing.predicted(load_model(model_spec), system, plan, dtype)
         ledger.append(timing.step_record(key, model_spec, plan, dtype, steps, warmup, measured, prediction, system))
     return True
+
+
+def record(result_path: str, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
+           warmup: int, ledger_path: str) -> bool:
+    """record_result of the one result rank 0 wrote to `result_path` (a `--plan` launch)."""
+    return record_result(_read_json(result_path), plan, model_spec, system_name, nproc, dtype, steps, warmup,
+                         ledger_path)
+
+
+def _whole_lines(path: str) -> list:
+    """The results of a launch: its whole lines (a line cut short by the launch's end is not one)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh.read().split("\n")[:-1]]
+
+
+def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int, warmup: int,
+                ledger_path: str) -> tuple:
+    """(the path stem of the next launch's files, or None when no plan is left; the plans left out
+    after a launch failed on them): every result the launches in `results` wrote is added to the
+    ledger first. Launch K's files are launch-K.jobs.json (its jobs), launch-K.jsonl (rank 0's
+    lines) and launch-K.status (the launch's exit status, written when it ended: a launch without
+    one was cut short with the batch job, which blames none of its plans). A launch that ended
+    without a result for each of its jobs is blamed on the first job without one."""
+    from perfsim.spec.plan import Plan
+    from validate import timing
+
+    def key(plan: dict) -> str:
+        return timing.point_key(model_spec, Plan(**plan), dtype, steps, warmup, "xpu", nproc)
+
+    stems = sorted((name[:-len(".jobs.json")] for name in os.listdir(results) if name.startswith("launch-")
+                    and name.endswith(".jobs.json")), key=lambda stem: int(stem.split("-")[1]))
+    blamed = {}
+    for stem in stems:
+        path = os.path.join(results, stem)
+        jobs, lines = _read_json(path + ".jobs.json"), _whole_lines(path + ".jsonl")
+        for job, measured in zip(jobs, lines):
+            record_result(measured, job["plan"], model_spec, system_name, nproc, dtype, steps, warmup, ledger_path)
+        if len(lines) < len(jobs) and os.path.exists(path + ".status"):
+            with open(path + ".status") as fh:
+                status = fh.read().strip()
+            blamed[key(jobs[len(lines)]["plan"])] = (jobs[len(lines)]["plan"], stem, status)
+    done = timing.ledger_keys(ledger_path)
+    left, seen = [], set()
+    for job in _read_json(os.path.join(results, "jobs.json")):
+        k = key(job["plan"])
+        if k not in done and k not in blamed and k not in seen:
+            left.append(job)
+            seen.add(k)
+    failed = [(plan, stem, status) for plan, stem, status in blamed.values() if key(plan) not in done]
+    if not left:
+        return None, failed
+    stem = os.path.join(results, f"launch-{int(stems[-1].split('-')[1]) + 1 if stems else 0}")
+    with open(stem + ".jobs.json", "w") as fh:
+        json.dump(left, fh)
+    return stem, failed
 
 
 def main(argv=None) -> int:
@@ -343,7 +419,32 @@ def main(argv=None) -> int:
     q.add_argument("--model", required=True)
     q.add_argument("--system", required=True)
     q.add_argument("--dtype", required=True)
+    n = sub.add_parser("next", help="add what the launches so far wrote to the ledger, then print the path stem of "
+                                    "the next launch's files (nothing when every plan is in)")
+    n.add_argument("results", help="the job's results folder (its jobs.json: every plan of the job)")
+    for flag in ("--model", "--system", "--dtype", "--ledger"):
+        n.add_argument(flag, required=True)
+    for flag in ("--nproc", "--steps", "--warmup"):
+        n.add_argument(flag, type=int, required=True)
     args = p.parse_args(argv)
+    if args.what == "next":
+        try:
+            stem, failed = next_launch(args.results, args.model, args.system, args.nproc, args.dtype, args.steps,
+                                       args.warmup, args.ledger)
+        except (OSError, ValueError, KeyError) as e:  # no jobs.json, a line or job that is not what it should be
+            print(f"python -m validate.slurm next: {args.results}: {e}", file=sys.stderr)
+            return 2
+        for plan, launch, status in failed:
+            print(f"python -m validate.slurm next: {json.dumps(plan, sort_keys=True)} is left out: {launch} ended "
+                  f"(exit status {status}) before its result; remove {os.path.join(args.results, launch)}.* to "
+                  "try it again", file=sys.stderr)
+        if stem is None and failed:
+            print(f"python -m validate.slurm next: every other plan is in {args.ledger}; {len(failed)} failed",
+                  file=sys.stderr)
+            return 1
+        if stem is not None:
+            print(stem)
+        return 0
     if args.what == "probes":
         probe, norm, kind = probes(json.loads(args.plan), args.model, args.system, args.dtype)
         print(f"{probe:.6g} {norm:.6g} {kind}")

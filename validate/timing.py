@@ -491,7 +491,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     return [_entry(plan, prediction, merge_rounds(m)) for plan, prediction, m in zip(plans, predictions, measured)]
 
 
-def _ledger_keys(ledger_path: str) -> set:
+def ledger_keys(ledger_path: str) -> set:
     """The keys of the usable step records in the ledger (none if there is no ledger yet)."""
     from perfsim.ledger import read_ledger
 
@@ -500,7 +500,7 @@ def _ledger_keys(ledger_path: str) -> set:
 
 def _unmeasured(ledger_path: str, keys: list) -> bool:
     """Whether any of `keys` (a list per round) is not in the ledger yet."""
-    have = _ledger_keys(ledger_path)
+    have = ledger_keys(ledger_path)
     return any(k not in have for row in keys for k in row)
 
 
