@@ -374,12 +374,13 @@ def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dty
 
     stems = sorted((name[:-len(".jobs.json")] for name in os.listdir(results) if name.startswith("launch-")
                     and name.endswith(".jobs.json")), key=lambda stem: int(stem.split("-")[1]))
-    blamed = {}
+    blamed, recorded = {}, timing.ledger_keys(ledger_path)
     for stem in stems:
         path = os.path.join(results, stem)
         jobs, lines = _read_json(path + ".jobs.json"), _whole_lines(path + ".jsonl")
         for job, measured in zip(jobs, lines):
-            record_result(measured, job["plan"], model_spec, system_name, nproc, dtype, steps, warmup, ledger_path)
+            if key(job["plan"]) not in recorded:  # each launch's lines are read at every call
+                record_result(measured, job["plan"], model_spec, system_name, nproc, dtype, steps, warmup, ledger_path)
         if len(lines) < len(jobs) and os.path.exists(path + ".status"):
             with open(path + ".status") as fh:
                 status = fh.read().strip()
