@@ -2,9 +2,12 @@
 (perfsim.cost.measured) so that predictions interpolate the measurements and use the fitted curves
 only where nothing near was measured.
 
-A table holds the fitted points only; the held-out points measure it, against the curve alone on
-the same points. Its Gaussian width (in octaves) is the one that predicts each fitted point best
-from the others (leave-one-out), so nothing about it is tuned on the held-out points.
+A table is built from the fitted points; the held-out points measure it, against the curve alone
+on the same points. Its Gaussian width (in octaves) is the one that predicts each fitted point best
+from the others (leave-one-out), so nothing about it is tuned on the held-out points. Once measured,
+the profile's table gets the held-out points too, at that width: they are measurements of this
+machine like the others, and a shape the plan runs (plan-aware calibration measures every one)
+must not be left to interpolation because its hash fell among the held-out quarter.
 """
 
 from __future__ import annotations
@@ -67,10 +70,14 @@ def _collective_curve(system, op: str):
         [float(getattr(comm, op)(float(n), int(g), int(s))) for g, s, n in zip(size, stride, nbytes)])
 
 
+def _points(records: list, columns, times) -> tuple:
+    """A table's points of `records`: each record's coordinates and its seconds."""
+    return tuple(tuple(float(c) for c in columns(r)) + (float(t),) for r, t in zip(records, times(records)))
+
+
 def _table(kernel: str, dtype: str, fit: list, columns, curve, times):
     """The KernelTable of the fitted records, at its leave-one-out width, and its curve at the points."""
-    points = tuple(tuple(float(c) for c in columns(r)) + (float(t),) for r, t in zip(fit, times(fit)))
-    table = measured.KernelTable(kernel, dtype, points)
+    table = measured.KernelTable(kernel, dtype, _points(fit, columns, times))
     at_points = curve(*table.coordinates_linear())
     return measured.best_width(table, at_points), table, at_points
 
@@ -135,9 +142,11 @@ def measured_tables(records: list, system, ledger: str, expected: bool = True) -
                 dropped.append(f"{kernel} {dtype} (model {100 * curve_error:.1f}%, table at best "
                                f"{100 * min(measured.leave_one_out_error(dataclasses.replace(points, width=w), at_points) for w in measured.WIDTHS):.1f}%)")
                 continue
-            (collective_tables if suite == "collective" else device_tables).append(table)
             quality.append(_quality(f"table {kernel} {dtype} (fit: leave-one-out)", table, at_points, held, columns,
                                     curve, times))
+            if held:  # measured on them, the table keeps them (module docstring)
+                table = dataclasses.replace(table, points=table.points + _points(held, columns, times))
+            (collective_tables if suite == "collective" else device_tables).append(table)
     tables = device_tables + collective_tables
     notes = [f"measured tables: {len(tables)} kernels x dtypes, {sum(len(t.points) for t in tables)} points of ledger "
              f"{ledger}; predictions interpolate them in log2 of each coordinate (shape, bytes, group size and "
@@ -155,7 +164,7 @@ def table_toml(table, ledger: str) -> dict:
     columns = (measured.COLLECTIVE_COLUMNS if len(table.points[0]) == len(measured.COLLECTIVE_COLUMNS)
                else measured.GEMM_COLUMNS if table.kernel in measured.SHAPE_KERNELS else measured.MEMORY_COLUMNS)
     return {"provenance": "measured",
-            "source": f"{len(table.points)} points of ledger {ledger} (held-out points left out; width chosen by "
-                      f"leave-one-out)",
+            "source": f"{len(table.points)} points of ledger {ledger} (width chosen by leave-one-out on the fitted "
+                      f"ones; the held-out ones, which measured the table, added after)",
             "width_octaves": table.width, "columns": list(columns),
             "points": [[int(x) if float(x).is_integer() else float(f"{x:.6g}") for x in p] for p in table.points]}
