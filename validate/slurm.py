@@ -381,18 +381,18 @@ def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dty
         for job, measured in zip(jobs, lines):
             if key(job["plan"]) not in recorded:  # each launch's lines are read at every call
                 record_result(measured, job["plan"], model_spec, system_name, nproc, dtype, steps, warmup, ledger_path)
+                recorded.add(key(job["plan"]))
         if len(lines) < len(jobs) and os.path.exists(path + ".status"):
             with open(path + ".status") as fh:
                 status = fh.read().strip()
             blamed[key(jobs[len(lines)]["plan"])] = (jobs[len(lines)]["plan"], stem, status)
-    done = timing.ledger_keys(ledger_path)
     left, seen = [], set()
     for job in _read_json(os.path.join(results, "jobs.json")):
         k = key(job["plan"])
-        if k not in done and k not in blamed and k not in seen:
+        if k not in recorded and k not in blamed and k not in seen:
             left.append(job)
             seen.add(k)
-    failed = [(plan, stem, status) for plan, stem, status in blamed.values() if key(plan) not in done]
+    failed = [(plan, stem, status) for plan, stem, status in blamed.values() if key(plan) not in recorded]
     if not left:
         return None, failed
     stem = os.path.join(results, f"launch-{int(stems[-1].split('-')[1]) + 1 if stems else 0}")

@@ -23,8 +23,8 @@ from validate.microbench import TP_OVERHEAD_LAYOUTS
 
 # Alternating rounds; their per-round differences' median is the overhead. The fit pools three
 # points' rounds: drawn 16 of 24 rounds a point from the transfer ledgers, the pooled median moved
-# by 0.6-2.4 ms (sd) of its 12-30 ms, and the suite took a third less (about 30 s of mkl-compat's
-# 15-minute calibrate + validate).
+# by 0.6-2.4 ms (sd) of its 12-30 ms. With 24 the suite took 94 s of mkl-compat r4's calibration;
+# with 16, 87 s of r5's on a VM 1.3x slower.
 REPEATS = 16
 
 

@@ -131,15 +131,17 @@ def backward_gemms(g: Gemm) -> tuple:
     return first, second
 
 
-def gemm_backward_times(device: Device, peak_flops: float, g: Gemm, forward_s, forward_share) -> tuple:
-    """(seconds of the first, of the second backward product (backward_gemms), their curve share).
-    The parametric curve is symmetric in m, n and k, so without a measured table each is the
+def gemm_pass_times(device: Device, peak_flops: float, g: Gemm, fp8=0) -> tuple:
+    """(forward seconds, its curve share, seconds of the first and of the second backward product
+    (backward_gemms), their curve share), at gemm_rate's device and peak. The parametric curve is
+    symmetric in m, n and k, so without a measured table each backward product takes the
     forward's time; with one, each is looked up at its own shape."""
+    rate = gemm_rate(device, peak_flops, g, fp8)
+    forward, share = gemm_time_and_share(*rate, g)
     if measured.find_table(device.measured, measured.GEMM, device.kernel_dtype) is None:
-        return forward_s, forward_s, forward_share
-    (first, first_share), (second, second_share) = (gemm_time_and_share(device, peak_flops, b)
-                                                    for b in backward_gemms(g))
-    return first, second, (first * first_share + second * second_share) / (first + second)
+        return forward, share, forward, forward, share
+    (first, first_share), (second, second_share) = (gemm_time_and_share(*rate, b) for b in backward_gemms(g))
+    return forward, share, first, second, (first * first_share + second * second_share) / (first + second)
 
 
 def _streaming_time(device: Device, nbytes, efficiency):
@@ -302,9 +304,7 @@ def work(device: Device, peak_flops: float, gemms: list, memory_ops: list, flash
     unfused = 1 - flash
     for g in gemms:
         flops = 2.0 * g.count * g.m * g.n * g.k
-        rate = gemm_rate(device, peak_flops, g, fp8)
-        time, share = gemm_time_and_share(*rate, g)
-        first, second, backward_share = gemm_backward_times(*rate, g, time, share)
+        time, share, first, second, backward_share = gemm_pass_times(device, peak_flops, g, fp8)
         total.flops = total.flops + flops
         if g.name in ATTENTION_CORE:  # no weights: both backward GEMMs are data gradients
             time, first, second = unfused * time, unfused * first, unfused * second

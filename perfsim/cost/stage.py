@@ -18,8 +18,7 @@ from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
-from perfsim.cost.layer import (Work, embedding_work, gemm_backward_times, gemm_rate, gemm_time_and_share,
-                                head_memory_ops, layer_memory_ops, work)
+from perfsim.cost.layer import Work, embedding_work, gemm_pass_times, head_memory_ops, layer_memory_ops, work
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
@@ -152,10 +151,8 @@ def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activati
     scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
     times = {}
     for g in gemms:
-        rate = gemm_rate(device, peak_flops, g, fp8)  # fp8: layer.gemm_rate
-        time, share = gemm_time_and_share(*rate, g)
-        first, second, _ = gemm_backward_times(*rate, g, time, share)
-        times[g.name] = (time, first + second)
+        forward, _, first, second, _ = gemm_pass_times(device, peak_flops, g, fp8)  # fp8: layer.gemm_rate
+        times[g.name] = (forward, first + second)
     pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
     t = layout.size
     forward = sum(overlapped_exposure(comm, times[name][0], t, efficiency) for comm, name in pairs)
