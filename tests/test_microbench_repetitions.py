@@ -5,6 +5,8 @@ LONG_REPEATS times): a machine far slower than the sweep was sized for (bf16 GEM
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from validate import microbench as mb
@@ -146,9 +148,64 @@ def test_the_campaign_asks_for_more_only_while_loose_and_within_budget():
     comm = EchoComm()
     loose, tight = [1e-3, 4e-3] * 3, [1e-3] * 6
     assert precise_mean(comm, time.monotonic())(loose) is True
-    assert precise_mean(comm, time.monotonic())(tight) is False
+    more = precise_mean(comm, time.monotonic())
+    assert more(tight) is True  # one batch is never enough (COLLECTIVE_MIN_BATCHES)
+    assert more(tight * mb.COLLECTIVE_MIN_BATCHES) is False
     assert precise_mean(comm, time.monotonic() - 2 * mb.COLLECTIVE_POINT_BUDGET_S)(loose) is False
-    assert comm.agreed == [1.0, 0.0, 0.0]  # every rank's wish is agreed: one asking is enough
+    assert comm.agreed == [1.0, 1.0, 0.0, 0.0]  # every rank's wish is agreed: one asking is enough
+
+
+def test_a_batch_inside_one_run_of_calls_is_not_taken_as_precise():
+    """gloo's two modes come in runs of tens of calls: a batch all in the fast mode has no scatter
+    over its single calls, yet says nothing of the slow runs. The error is taken over the batches'
+    means."""
+    import time
+
+    from validate.campaign import precise_mean
+
+    fast, slow = [3e-4] * 20, [4e-3] * 20
+    assert mb.relative_standard_error(fast) == 0.0  # what single calls would claim
+    more = precise_mean(EchoComm(), time.monotonic())
+    assert more(fast) is True
+    assert more(fast + slow) is True
+    assert more(fast + slow + fast) is True  # batch means 0.3, 4 and 0.3 ms: far from precise
+    assert mb.relative_standard_error(fast + slow + fast, 20) == pytest.approx(
+        statistics.stdev([3e-4, 4e-3, 3e-4]) / 3 ** 0.5 / statistics.fmean([3e-4, 4e-3, 3e-4]))
+    assert mb.relative_standard_error(fast + slow + [1.0], 20) == mb.relative_standard_error(fast + slow, 20)
+
+
+def runs_run(more, seed: int, repeats: int = 20, stay: float = 0.95, cap: int = 300):
+    """A collective whose fast (0.3 ms) and slow (4 ms) modes come in runs (each call keeps the
+    previous call's mode with probability `stay`: runs of 20 calls on average), timed until `more`
+    is satisfied or `cap` repetitions; the repetitions' times."""
+    import random
+
+    clock, rng = Clock(), random.Random(seed)
+    slow = [rng.random() < 0.5]
+
+    def fn():
+        if rng.random() > stay:
+            slow[0] = not slow[0]
+        clock.now += 4e-3 if slow[0] else 3e-4
+    times, _, _ = mb.repetitions(FakeDevice(clock), fn, 2, repeats, 2e-3, max_number=1, max_repeats_factor=1,
+                                 more=lambda t: len(t) < cap and more(t))
+    return times
+
+
+def test_means_of_calls_in_runs_come_closer_with_the_batch_rule():
+    """Over 40 seeded series of calls in runs, single-call standard errors stop many points after
+    one batch inside one run (errors of 50% and more); the batch rule keeps timing them."""
+    import time
+
+    from validate.campaign import precise_mean
+
+    true_mean = (4e-3 + 3e-4) / 2
+    single = [runs_run(lambda t: mb.relative_standard_error(t) > mb.COLLECTIVE_PRECISION, seed) for seed in range(40)]
+    batched = [runs_run(precise_mean(EchoComm(), time.monotonic()), seed) for seed in range(40)]
+    errors = lambda runs: [abs(statistics.fmean(t) / true_mean - 1) for t in runs]  # noqa: E731
+    assert min(len(t) for t in single) == 20 and min(len(t) for t in batched) >= 60
+    assert sum(e > 0.5 for e in errors(batched)) < sum(e > 0.5 for e in errors(single)) / 2
+    assert statistics.median(errors(batched)) < 0.6 * statistics.median(errors(single))
 
 
 def test_concurrent_rounds_go_on_until_their_mean_is_precise():

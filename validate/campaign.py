@@ -163,12 +163,19 @@ def run_worker(options: Options, environ=None, out=None) -> int:
 
 def precise_mean(comm, started: float):
     """microbench.repetitions' `more` for a collective: another batch while the slowest rank's
-    repetitions leave their mean less precise than COLLECTIVE_PRECISION and the point is within
-    COLLECTIVE_POINT_BUDGET_S of `started` on some rank (every rank gets the same answer)."""
+    repetitions are fewer than COLLECTIVE_MIN_BATCHES batches or leave their mean less precise than
+    COLLECTIVE_PRECISION (from the batches' means: the first call's repetitions are one batch), and
+    the point is within COLLECTIVE_POINT_BUDGET_S of `started` on some rank (every rank gets the
+    same answer)."""
     from validate import microbench as mb
 
+    batch = []
+
     def more(times: list) -> bool:
-        loose = mb.relative_standard_error(comm.max_each(times)) > mb.COLLECTIVE_PRECISION
+        if not batch:  # the first call sees one batch
+            batch.append(len(times))
+        loose = (len(times) < mb.COLLECTIVE_MIN_BATCHES * batch[0]
+                 or mb.relative_standard_error(comm.max_each(times), batch[0]) > mb.COLLECTIVE_PRECISION)
         within = time.monotonic() - started < mb.COLLECTIVE_POINT_BUDGET_S
         return bool(comm.agree_max(1.0 if loose and within else 0.0))
     return more

@@ -440,16 +440,25 @@ LONG_REPEATS = 2
 # planned repetitions; gloo's small calls on a shared CPU are bimodal (a fast mode and one a
 # scheduler tick later, 0.3 vs 4 ms on the project VM), and at the planned 5-20 repetitions their
 # means carried a 15% standard error (median over points), more than the held-out target allows.
+# The two modes come in runs, tens of calls each (400 sends of 128 KiB after GEMM bursts: runs of
+# 10-60 in one mode, docs/calibration.md 4.2), so neighbouring repetitions are not independent and
+# a batch that fell in one run looks precise: mkl-compat r7's 128 KiB send stopped after 20
+# repetitions at 0.21 ms, its neighbours' means 2.1-2.3 ms. The error is therefore estimated from
+# the means of the batches (the batch-means method), over COLLECTIVE_MIN_BATCHES batches at least.
 COLLECTIVE_PRECISION = 0.05
 COLLECTIVE_POINT_BUDGET_S = 1.0
+COLLECTIVE_MIN_BATCHES = 3
 
 
-def relative_standard_error(times: list) -> float:
-    """Standard error of the mean of `times` over the mean (inf for fewer than two)."""
-    if len(times) < 2:
+def relative_standard_error(times: list, batch: int = 1) -> float:
+    """Standard error of the mean of `times` over the mean, estimated from the means of consecutive
+    batches of `batch` repetitions (single repetitions by default; a trailing partial batch is
+    left out); inf for fewer than two batches."""
+    means = [statistics.fmean(times[i:i + batch]) for i in range(0, len(times) - batch + 1, batch)]
+    if len(means) < 2:
         return math.inf
-    mean = statistics.fmean(times)
-    return statistics.stdev(times) / math.sqrt(len(times)) / mean if mean > 0 else math.inf
+    mean = statistics.fmean(means)
+    return statistics.stdev(means) / math.sqrt(len(means)) / mean if mean > 0 else math.inf
 
 
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
