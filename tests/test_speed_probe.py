@@ -28,6 +28,20 @@ def test_step_time_is_the_median_of_the_steps_at_speed_else_of_all():
     assert speed_probe.step_time([1.0, 5.0, 2.0], [False, False, False]) == 2.0
 
 
+def test_a_plan_stops_stepping_when_enough_steps_at_speed_agree():
+    """`steps` steps at speed within tolerance / 2 of their median: mkl-compat r7's 1d + SP plan
+    with full recomputation (4.10, 3.94, 3.30 s, all at speed by the probes) steps on; three steps
+    within 7.5% of their median stop it, however many steps disagree beside them."""
+    r7 = [4.10, 3.94, 3.30]
+    assert not speed_probe.steps_settled(r7, [True] * 3, 3, 0.15)
+    assert not speed_probe.steps_settled(r7 + [3.30], [True] * 4, 3, 0.15)  # median 3.62: none within 7.5%
+    assert speed_probe.steps_settled(r7 + [3.30, 3.32], [True] * 5, 3, 0.15)  # median 3.32: three agree
+    assert speed_probe.steps_settled([1.0, 1.07, 0.94], [True] * 3, 3, 0.15)
+    assert not speed_probe.steps_settled([1.0, 1.0, 9.0], [True, True, False], 3, 0.15)  # two at speed
+    assert speed_probe.steps_settled([1.0, 9.0, 1.01, 1.02], [True, False, True, True], 3, 0.15)
+    assert speed_probe.steps_settled([1.0, 3.0, 9.0], [True] * 3, 3, float("inf"))  # every step counts
+
+
 def test_the_probe_is_the_models_fc1_at_the_plans_micro_batch_priced_by_the_profile():
     model = load_model("gpt3-350m")
     g = speed_probe.probe_gemm(model, Plan(tp=2, mbs=3))

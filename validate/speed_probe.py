@@ -19,7 +19,7 @@ profile prices the model's shapes (`probe_expectations`; the Slurm jobs pick the
 validate.slurm.probes). The slowest rank's median of each counts. A step is *at speed* when each probe took at most
 `1 + tolerance` and at least `1 / (1 + tolerance)` of what the profile predicts for it; the
 plan's step time is the median of the steps at speed, and the ranks keep stepping, up to
-MAX_STEPS_FACTOR x the steps asked for, until that many are.
+MAX_STEPS_FACTOR x the steps asked for, until that many are and agree (`steps_settled`).
 
 This side (the command's) imports no torch; `make_probe` and `make_norm_probe` run on the ranks.
 """
@@ -107,6 +107,19 @@ def at_speed(probe_s: float, expected_s: float | None, tolerance: float) -> bool
 def all_at_speed(probes: list, expected: list, tolerance: float) -> bool:
     """Whether a step ran at the profile's speed by every probe (`probes` and `expected` paired)."""
     return all(at_speed(p, e, tolerance) for p, e in zip(probes, expected))
+
+
+def steps_settled(times: list, speed_flags: list, steps: int, tolerance: float) -> bool:
+    """Whether a plan may stop stepping: `steps` of its steps at speed lie within tolerance / 2 of
+    the median of its steps at speed. The probes run between steps, so a step the machine slowed
+    down in its middle passes them: mkl-compat r7's 1d + SP plan with full recomputation took 4.10,
+    3.94 and 3.30 s, all three at speed by the probes, where the other runs' steps at speed agree
+    within 8% (docs/real-steps-timing.md, "Machine speed")."""
+    chosen = [t for t, ok in zip(times, speed_flags) if ok]
+    if len(chosen) < steps:
+        return False
+    middle = statistics.median(chosen)
+    return sum(abs(t / middle - 1) <= tolerance / 2 for t in chosen) >= steps
 
 
 def step_time(times: list, speed_flags: list) -> float:

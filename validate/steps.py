@@ -122,7 +122,7 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
     from validate.context_parallel import skipped_blocks
     from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
     from validate.speed_probe import (MAX_STEPS_FACTOR, all_at_speed, make_norm_probe, make_probe,
-                                      make_reference_probes, probe_gemm, probe_norm, step_time)
+                                      make_reference_probes, probe_gemm, probe_norm, step_time, steps_settled)
 
     plan, probe_expected_s, norm_probe_expected_s = job["plan"], job["probe_expected_s"], job["norm_probe_expected_s"]
     dtype = getattr(torch, DTYPES[dtype_name])
@@ -153,7 +153,8 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
     for _ in range(warmup - 1):
         timed_step()
     # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
-    # `steps` of them ran at the profile's speed, or MAX_STEPS_FACTOR x steps ran, or (past `steps`)
+    # `steps` of them ran at the profile's speed and agree (steps_settled), or MAX_STEPS_FACTOR x
+    # steps ran, or (past `steps`)
     # the timed steps have taken retake_until_s (the plan's share of the run's time budget). Every
     # rank takes the job-wide (slowest rank's) step and probe times, so all decide alike.
     if job["reference_probes"]:
@@ -162,7 +163,7 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
         probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
         norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
     times, probes, norm_probes, speed_flags = [], [], [], []
-    while sum(speed_flags) < steps and len(times) < MAX_STEPS_FACTOR * steps and (
+    while not steps_settled(times, speed_flags, steps, speed_tolerance) and len(times) < MAX_STEPS_FACTOR * steps and (
             len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
         dist.barrier()
         probe_s, norm_s = probe(), norm_probe()

@@ -20,7 +20,7 @@ import tempfile
 
 from perfsim.errors import PerfsimError
 from perfsim.ledger import step_problem
-from validate.speed_probe import DEFAULT_TOLERANCE, MAX_STEPS_FACTOR, all_at_speed, step_time
+from validate.speed_probe import DEFAULT_TOLERANCE, MAX_STEPS_FACTOR, all_at_speed, step_time, steps_settled
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
 DEFAULT_SYSTEM = {"cpu": "cpu-calibrated"}
@@ -477,7 +477,8 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
             r, i, key = todo[n]
             earlier[key] = ledger.append(step_record(key, model_spec, plans[i], dtype, steps, warmup, got,
                                                      predictions[i], system))
-            cut = budget_s is not None and sum(speed_flags(got)) < steps and len(got["step_times_s"]) < MAX_STEPS_FACTOR * steps
+            cut = (budget_s is not None and len(got["step_times_s"]) < MAX_STEPS_FACTOR * steps
+                   and not steps_settled(got["step_times_s"], speed_flags(got), steps, speed_tolerance))
             report(r, i, got, "measured" + (" (its retakes cut short by --budget)" if cut else ""),
                    jobs[n]["probe_expected_s"], jobs[n]["norm_probe_expected_s"])
         if jobs:
