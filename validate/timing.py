@@ -20,6 +20,7 @@ import tempfile
 
 from perfsim.errors import PerfsimError
 from perfsim.ledger import step_problem
+from perfsim.probed_speed import speed_shifts
 from validate.speed_probe import DEFAULT_TOLERANCE, MAX_STEPS_FACTOR, all_at_speed, step_time, steps_settled
 
 DEFAULT_MODEL = "layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false"
@@ -299,35 +300,16 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "step_time_error_at_measured_speed": error_at_measured_speed(measured, prediction)}
 
 
-# What each speed probe stands for in a prediction's time_breakdown_s: the GEMM probe for the
-# kernels' compute (and the pipeline's bubble, which waits on it), the LayerNorm probe for the
-# element-wise optimizer step and the per-call overheads. Communication is not probed: it stays
-# as predicted.
-GEMM_PROBED = ("compute", "recompute", "pp_bubble")
-NORM_PROBED = ("optimizer", "other")
-
-
 def error_at_measured_speed(measured: dict, prediction: dict) -> float | None:
-    """The step-time error with the prediction moved to the machine's speed in each timed step: its
-    GEMM_PROBED parts times that step's GEMM probe over the profile's, its NORM_PROBED parts times
-    the LayerNorm probe's (the GEMM probe's where there is none); the median over every timed step,
-    at speed or not. It tells a model that is off from a machine that drifted (docs/real-steps-timing.md,
-    "Errors at the measured speed"). None without a GEMM probe in every step."""
-    probes, expected = measured.get("probe_s") or [], measured.get("probe_expected_s")
-    if not expected or not probes or any(p is None for p in probes):
+    """The step-time error with the prediction moved to the machine's speed in each timed step
+    (perfsim.probed_speed), the median over every timed step, at speed or not. It tells a model
+    that is off from a machine that drifted (docs/real-steps-timing.md, "Errors at the measured
+    speed"). None without a GEMM probe in every step."""
+    shifts = speed_shifts(measured, prediction["time_breakdown_s"])
+    if shifts is None:
         return None
-    norms = measured.get("norm_probe_s") or [None] * len(probes)
-    norm_expected = measured.get("norm_probe_expected_s")
-    parts = prediction["time_breakdown_s"]
-    gemm = sum(parts.get(k, 0.0) for k in GEMM_PROBED)
-    elementwise = sum(parts.get(k, 0.0) for k in NORM_PROBED)
-    errors = []
-    for step_s, probe, norm in zip(measured["step_times_s"], probes, norms):
-        gemm_ratio = probe / expected
-        norm_ratio = norm / norm_expected if norm is not None and norm_expected else gemm_ratio
-        at_speed = prediction["step_time_s"] + gemm * (gemm_ratio - 1) + elementwise * (norm_ratio - 1)
-        errors.append(at_speed / step_s - 1)
-    return statistics.median(errors)
+    return statistics.median((prediction["step_time_s"] + shift) / step_s - 1
+                             for step_s, shift in zip(measured["step_times_s"], shifts))
 
 
 def machine_matches(steps_at_speed: int, steps: int) -> bool:

@@ -11,7 +11,9 @@ three overheads at 0 (P0: its kernels, collectives and optimizer), is the loop's
     T - P0 = step_overhead_s + m x microbatch_overhead_s + m L x layer_overhead_s
 
 fitted by non-negative least squares on OVERHEAD_RUNS[:-1]; the last run, (2 layers, 2
-micro-batches), is held out and predicted.
+micro-batches), is held out and predicted. T is each run's step time moved to the profile's speed
+by the speed probes of its steps (`at_profile_speed`): a run that met a slow spell would otherwise
+fit the spell into the overheads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import numpy as np
 
 from perfsim.calibrate.common import Fitted, Quality, mape
+from perfsim.probed_speed import speed_shifts
 
 
 TP_OVERHEAD_KEYS = {"1d": ("framework.tp_layer_overhead_s", "1d"), "1d_sp": ("framework.sp_layer_overhead_s", "1d + SP")}
@@ -85,14 +88,28 @@ def as_trained(system, dtype: str):
 
 
 def _run(record) -> tuple:
-    """(model, plan, dtype, layers, micro-batches, measured seconds) of a step record."""
+    """(model, plan, dtype, layers, micro-batches) of a step record."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
 
     known = {f.name for f in dataclasses.fields(Plan)}
     plan = Plan(**{k: v for k, v in record["plan"].items() if k in known})
     model = load_model(record["model"])
-    return model, plan, record["dtype"], model.layers, plan.microbatches, float(record["measured"]["step_time_s"])
+    return model, plan, record["dtype"], model.layers, plan.microbatches
+
+
+def at_profile_speed(measured: dict, breakdown: dict) -> float:
+    """A run's step time moved to the profile's speed: the median, over the steps its step time is
+    taken from (those at speed, else all), of each step less what its probes' speed added to the
+    parts `breakdown` (perfsim.probed_speed). A run that met a slow spell in every step then still
+    measures the loop's own time, not the spell. As measured for records without probes."""
+    shifts = speed_shifts(measured, breakdown)
+    if shifts is None:
+        return float(measured["step_time_s"])
+    steps = list(zip(measured["step_times_s"], shifts))
+    flags = measured.get("at_speed") or [True] * len(steps)
+    chosen = [t - shift for (t, shift), ok in zip(steps, flags) if ok] or [t - shift for t, shift in steps]
+    return float(np.median(chosen))
 
 
 def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
@@ -108,9 +125,10 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
         system.framework, step_overhead_s=0.0, microbatch_overhead_s=0.0, layer_overhead_s=0.0))
     rows = []
     for r in step_records:
-        model, plan, dtype, layers, m, t = _run(r)
-        p0 = predict(model, as_trained(zero, dtype), plan, dtype).step_time_s
-        rows.append((layers, m, t, p0, (layers, m) == OVERHEAD_RUNS[-1]))
+        model, plan, dtype, layers, m = _run(r)
+        p0 = predict(model, as_trained(zero, dtype), plan, dtype)
+        t = at_profile_speed(r["measured"], p0.time_breakdown_s)
+        rows.append((layers, m, t, p0.step_time_s, (layers, m) == OVERHEAD_RUNS[-1]))
     fitted = [x for x in rows if not x[4]]
     if len(fitted) < 3:
         return {}, [], [f"overheads: {len(fitted)} step runs of the calibration model, 3 needed to fit the step, "
