@@ -114,11 +114,12 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
         line for line in lines if line.startswith("# 1. collective")))]
     shares = [(round(p.decides, 2), round(p.moves, 2)) for p in ranked if p.suite != "overheads"]
     assert shares == sorted(shares, reverse=True)
-    # the overhead runs: after every kernel suite, before the final fit, into the steps ledger
-    overhead_runs = [i for i, line in enumerate(lines) if line.startswith("run_overhead ")]
+    # the overhead runs: after every kernel suite, before the final fit, into the steps ledger, in one launch
+    (jobs,) = [i for i, line in enumerate(lines) if line.startswith("python -m validate.slurm jobs ")]
+    (launch,) = [i for i, line in enumerate(lines) if line.strip().startswith("mpiexec") and "validate.steps" in line]
     last_suite = max(i for i, line in enumerate(lines) if line.startswith("mpiexec"))
     final_fit = lines.index("perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml")
-    assert len(overhead_runs) == 5 and last_suite < overhead_runs[0] and overhead_runs[-1] < final_fit
+    assert last_suite < jobs < launch < final_fit and len(_overhead_runs(text)) == 5
     assert any("--ledger smng-p2-overheads.jsonl" in line for line in lines)
     assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-provisional.toml" in lines
 
@@ -127,35 +128,75 @@ def test_suites_flag_keeps_the_order_and_drops_the_rest(run_cli, tmp_path, monke
     job = emit(run_cli, tmp_path, monkeypatch, ("calibrate", "--emit-slurm", "j.sbatch", "--nodes", "2", "--suites",
                                                 "gemm,collective", "--no-fit"))
     text = job.read_text()
-    assert _launched_suites(text) == ["collective", "gemm"] and "run_overhead" not in text and "--fit" not in text
+    assert _launched_suites(text) == ["collective", "gemm"] and "validate.slurm jobs" not in text and "--fit" not in text
     r = run_cli("calibrate", "--emit-slurm", "k.sbatch", "--nodes", "2", "--suites", "overheads", "--no-fit")
     assert r.code == 2 and "measures nothing" in r.err and r.err.count("\n") == 1
 
 
-def test_overhead_runs_record_what_the_local_campaign_records(tmp_path):
-    """`python -m validate.slurm probes` gives the probe times the provisional profile predicts,
-    and `record` keys a run as perfsim calibrate's local overhead runs do (validate.timing), so
-    the fit finds the job's runs in the steps ledger."""
+def _overhead_runs(script: str) -> list:
+    """The [model, plan] runs the calibration script hands `validate.slurm jobs`."""
+    line = next(line for line in script.splitlines() if line.startswith("python -m validate.slurm jobs "))
+    return json.loads(shlex.split(line)[shlex.split(line).index("--runs") + 1])
+
+
+def test_overhead_jobs_carry_their_models_and_the_provisional_profiles_probes(tmp_path):
+    """`python -m validate.slurm jobs` writes one validate.steps job per run, with the run's own
+    model and the probe times the provisional profile predicts (validate.slurm.probes); bad runs
+    get one line and exit status 2."""
     from perfsim.calibrate.overheads import CALIBRATION_MODEL
     from perfsim.spec.plan import Plan
-    from validate import slurm, timing
+    from validate import slurm
 
-    model, plan = CALIBRATION_MODEL.format(layers=2), Plan(dp=16, mbs=1, gbs=32)
-    out = subprocess.run([sys.executable, "-m", "validate.slurm", "probes", "--plan", json.dumps(plan.as_dict()),
-                          "--model", model, "--system", "smng-p2", "--dtype", "bf16"], capture_output=True, text=True,
-                         cwd=REPO)
+    runs = [[CALIBRATION_MODEL.format(layers=layers), Plan(dp=16, mbs=1, gbs=16 * m).as_dict()] for layers, m in
+            ((1, 1), (2, 2))]
+    out = subprocess.run([sys.executable, "-m", "validate.slurm", "jobs", str(tmp_path), "--runs", json.dumps(runs),
+                          "--system", "smng-p2", "--dtype", "bf16"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    probe, norm, kind = out.stdout.split()
-    expected = slurm.probes(plan.as_dict(), model, "smng-p2", "bf16")
-    assert (float(probe), float(norm)) == pytest.approx(expected[:2], rel=1e-5) and kind == expected[2] == "model"
-    probe, norm = float(probe), float(norm)
-    assert probe > 0 and norm > 0
-    result = tmp_path / "run.json"
-    result.write_text(json.dumps(STEP_RESULT))
-    ledger = tmp_path / "steps.jsonl"
-    assert slurm.record(str(result), plan.as_dict(), model, "smng-p2", 16, "bf16", 3, 1, str(ledger))
-    key = json.loads(ledger.read_text().splitlines()[-1])["key"]
-    assert key == timing.point_key(model, plan, "bf16", 3, 1, "xpu", 16)
+    jobs = json.loads((tmp_path / "jobs.json").read_text())
+    assert [[job["model"], job["plan"]] for job in jobs] == runs
+    for (model, plan), job in zip(runs, jobs):
+        probe, norm, kind = slurm.probes(plan, model, "smng-p2", "bf16")
+        assert (job["probe_expected_s"], job["norm_probe_expected_s"]) == (probe, norm) and probe > 0 and norm > 0
+        assert job["reference_probes"] is (kind == "reference") is False
+    bad = subprocess.run([sys.executable, "-m", "validate.slurm", "jobs", str(tmp_path), "--runs", '[["layers=1"]]',
+                          "--system", "smng-p2", "--dtype", "bf16"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+# Stand-in for perfsim in the calibration job: logs its arguments; a fit writes smng-p2 as its --out.
+FAKE_PERFSIM = """#!/bin/bash
+echo "perfsim $*" >> "$FAKE_LOG"
+while [ "$#" -gt 0 ]; do [ "$1" = --out ] && cp """ + shlex.quote(str(REPO / "perfsim" / "hwprofiles" / "smng-p2.toml")) + """ "$2"; shift; done
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tmp_path, monkeypatch):
+    """The calibration job under bash with stand-ins: the overhead runs' five jobs go to one
+    launch after the provisional fit, each recorded in the steps ledger under the key perfsim
+    calibrate's local runs use (validate.timing), so the fit finds them. A run that fails its
+    launch is left out and named, the others are measured, and the job goes on to the fit."""
+    from perfsim.spec.plan import Plan
+    from validate import timing
+
+    job = emit(run_cli, tmp_path, monkeypatch, ("calibrate", "--emit-slurm", "c.sbatch", "--nodes", "2", "--suites",
+                                                "gemm,overheads", "--ledger", "cal.jsonl", "--out", "cal.toml"))
+    env = _stand_ins(tmp_path, FAKE_MPIEXEC)
+    (tmp_path / "bin" / "perfsim").write_text(FAKE_PERFSIM)
+    (tmp_path / "bin" / "perfsim").chmod(0o755)
+    result, launches = _submit(job, tmp_path, dict(env, FAKE_FAIL_PLAN="layers=2"))
+    assert result.returncode == 0, result.stderr
+    steps = [line for line in launches if "validate.steps" in line]
+    assert len(steps) == 1 and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
+    assert "is left out: launch-0 ended (exit status 1)" in result.stderr and "fitting without" in result.stderr
+    assert launches[-1].startswith("perfsim calibrate --fit cal.jsonl")  # the fit, after the runs
+    records = [json.loads(line) for line in (tmp_path / "cal-overheads.jsonl").read_text().splitlines()]
+    runs = _overhead_runs(job.read_text())
+    assert len(records) == 4 and [r["model"] for r in records] == [model for model, _ in runs if "layers=2" not in model]
+    for r in records:
+        assert r["key"] == timing.point_key(r["model"], Plan(**r["plan"]), "bf16", 3, 1, "xpu", 16)
+    result, launches = _submit(job, tmp_path, env)  # again, the failed run's files still there: nothing launched
+    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 1
 
 
 def test_script_workers_parse_as_perfsim_arguments(emitted):
@@ -225,16 +266,18 @@ def test_validation_script_runs_every_plan_in_one_launch(validation_job):
 
 
 # Stand-in for mpiexec running `validate.steps OUT --jobs JOBS`: logs the launch and writes rank 0's
-# line for each job; at a plan whose JSON holds $FAKE_FAIL_PLAN it writes half a line and fails.
+# line for each job; at a job whose JSON holds $FAKE_FAIL_PLAN it writes half a line and fails. Any
+# other launch (a calibration suite's workers) is logged only.
 FAKE_MPIEXEC = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG"
 while [ "$#" -gt 0 ] && [ "$1" != validate.steps ]; do shift; done
+[ "$#" -gt 0 ] || exit 0
 python - "$2" "$4" <<'PY'
 import json, os, sys
 fail = os.environ.get("FAKE_FAIL_PLAN")
 with open(sys.argv[1], "w") as out:
     for job in json.load(open(sys.argv[2])):
-        if fail and fail in json.dumps(job["plan"], sort_keys=True):
+        if fail and fail in json.dumps(job, sort_keys=True):
             out.write('{"world": 16, "step_ti')
             sys.exit(1)
         out.write(json.dumps(""" + repr(STEP_RESULT) + """) + "\\n")

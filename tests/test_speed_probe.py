@@ -181,3 +181,17 @@ def test_a_plan_out_of_its_budget_takes_only_its_steps():
                                   done=lambda n, got: seen.append(n))
     assert seen == [0, 1] and all(len(got["step_times_s"]) == 2 for got in shared)
     assert shared[1]["flops"] == pytest.approx(2 * shared[0]["flops"])  # two micro-batches, in the plans' order
+
+
+@pytest.mark.multiprocess
+def test_jobs_of_one_launch_may_each_train_a_model_of_their_own():
+    """validate.steps --jobs: a job with a "model" of its own trains it, one without trains
+    --model's (the Slurm calibration job's overhead runs: one launch, three calibration models)."""
+    plan = timing.parse_plans("dp=2,mbs=1,gbs=2")[0]
+    small = "layers=1,hidden=64,heads=2,seq=32,vocab=256,tied_embeddings=false,dropout=false"
+    jobs = [{"plan": plan, "probe_expected_s": None, "norm_probe_expected_s": None, "reference_probes": False},
+            {"plan": plan, "probe_expected_s": None, "norm_probe_expected_s": None, "reference_probes": False,
+             "model": small.replace("layers=1", "layers=3")}]
+    one, three = timing.measure_plans(jobs, small, "cpu", 2, "fp32", 1, 1, 60, 1)
+    per_layer = (three["flops"] - one["flops"]) / 2
+    assert per_layer > 0 and one["flops"] > per_layer  # three layers against one, the rest alike

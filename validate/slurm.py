@@ -3,7 +3,8 @@
 
 The calibration job launches each microbenchmark suite on its own, in the order the caller gives
 (perfsim calibrate: the suite that settles most of the doubt about the plan and the step time
-first, perfsim/calibrate/priority.py), then the overhead runs, then the fit.
+first, perfsim/calibrate/priority.py), then the overhead runs (all of them in one launch, as the
+validation job's plans below), then the fit.
 
 One rank per Max 1550 tile (FLAT device hierarchy, 8 tiles per node), started by `mpiexec -ppn 8`;
 each rank reads its rank and local rank from PMI_RANK / PMI_SIZE / PALS_LOCAL_RANKID
@@ -33,6 +34,8 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+
+from perfsim.errors import PerfsimError
 
 TILES_PER_NODE = 8
 
@@ -171,36 +174,48 @@ def script(job: Job) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _launch_loop(next_args: str, steps_args: str, port0: str, on_failed: str | None = None) -> list:
+    """The loop that measures the jobs of "$RESULTS/jobs.json" (validation plans, overhead runs):
+    `validate.slurm next NEXT_ARGS` adds what the launches so far wrote to the ledger and names the
+    next launch's jobs, nothing once every job is in; one `validate.steps` launch (STEPS_ARGS)
+    runs them one after the other, rendezvousing on PORT0 + its attempt. `next` exits 1 when the
+    jobs left had failed their launches: the loop then runs ON_FAILED (none: the job stops there,
+    `set -e`)."""
+    go_on = f' || {{ rc=$?; [ "$rc" -eq 1 ] || exit "$rc"; {on_failed}; }}' if on_failed else ""
+    return [
+        "attempt=0",
+        "while :; do",
+        f'    launch=$(python -m validate.slurm next "$RESULTS" --nproc "$NRANKS" {next_args}){go_on}',
+        '    [ -n "$launch" ] || break',
+        f'    MASTER_PORT=$(( {port0} + attempt )); export MASTER_PORT; attempt=$(( attempt + 1 ))',
+        "    status=0",
+        f'    mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$launch.jsonl" --jobs "$launch.jobs.json" '
+        f'--device xpu {steps_args} || status=$?',
+        '    echo "$status" > "$launch.status"',
+        "done",
+    ]
+
+
 def _overhead_lines(o: OverheadRuns, first: int) -> list:
-    """The overhead runs: a provisional fit of the suites measured so far, then one launch of
-    `python -m validate.steps` per run (speed probes from that fit), each recorded in the steps
-    ledger as `perfsim calibrate` records its local runs; a run already recorded is not run again."""
+    """The overhead runs: a provisional fit of the suites measured so far, their jobs with speed
+    probes from that fit (`validate.slurm jobs`), then the launch loop, each run recorded in the
+    steps ledger as `perfsim calibrate` records its local runs. A run that fails its launch is left
+    out, and the fit goes on with the others."""
     common = ("--dtype", o.dtype, "--steps", str(o.steps), "--warmup", str(o.warmup))
     results = os.path.splitext(o.ledger)[0] + "-results"
-    lines = ["", f"# {first + 1}. {o.comment}",
-             "# Real training steps of the calibration model, timed with speed probes from a provisional",
-             "# fit of the suites above (perfsim/calibrate/overheads.py).",
-             _command(("perfsim",) + tuple(o.provisional_fit_argv)),
-             f"RESULTS={shlex.quote(results)}",
-             'mkdir -p "$RESULTS"',
-             "run_overhead() {",
-             '    local i=$1 model=$2 plan=$3 result="$RESULTS/run-$1.json" probes probe norm kind',
-             f'    MASTER_PORT=$(( PORT0 + {first} + i )); export MASTER_PORT',
-             '    if [ ! -s "$result" ]; then',
-             f'        probes=$(python -m validate.slurm probes --plan "$plan" --model "$model" '
-             f'--system {shlex.quote(o.provisional)} --dtype {o.dtype})',
-             '        read -r probe norm kind <<< "$probes"',
-             f'        mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$result" --plan "$plan" '
-             f'--model "$model" --device xpu {_command(common)} --timeout {o.timeout:g} --probe-expected "$probe" '
-             f'--norm-probe-expected "$norm" {REFERENCE_FLAG}',
-             "    fi",
-             f'    python -m validate.slurm record "$result" --plan "$plan" --nproc "$NRANKS" --model "$model" --system '
-             f'{shlex.quote(o.provisional)} {_command(common)} --ledger {shlex.quote(o.ledger)}',
-             "}"]
-    for i, (model, plan) in enumerate(o.runs):
-        lines.append(f"run_overhead {i} {shlex.quote(model)} "
-                     f"{shlex.quote(json.dumps(plan, sort_keys=True, separators=(',', ':')))}")
-    return lines
+    runs = json.dumps([[model, plan] for model, plan in o.runs], sort_keys=True, separators=(",", ":"))
+    return ["", f"# {first + 1}. {o.comment}",
+            "# Real training steps of the calibration model, timed with speed probes from a provisional",
+            "# fit of the suites above (perfsim/calibrate/overheads.py), all runs in one launch as the",
+            "# validation job runs its plans; a run that fails its launch is left out of the fit.",
+            _command(("perfsim",) + tuple(o.provisional_fit_argv)),
+            f"RESULTS={shlex.quote(results)}",
+            'mkdir -p "$RESULTS"',
+            f'python -m validate.slurm jobs "$RESULTS" --system {shlex.quote(o.provisional)} --dtype {o.dtype} '
+            f"--runs {shlex.quote(runs)}",
+            ] + _launch_loop(f"--system {shlex.quote(o.provisional)} {_command(common)} --ledger {shlex.quote(o.ledger)}",
+                             f"{_command(common)} --timeout {o.timeout:g}", f"PORT0 + {first}",
+                             'echo "perfsim calibrate: fitting without the runs named above" >&2; break')
 
 
 def probes(plan: dict, model_spec: str, system_name: str, dtype: str) -> tuple:
@@ -296,18 +311,8 @@ def validation_script(job: ValidationJob) -> str:
         "# ledger with perfsim's prediction (as `perfsim validate --device` does when it launches",
         "# locally) and names the next launch's jobs, nothing once every plan is in. A launch that",
         "# fails is blamed on its first plan without a result, which the next launch leaves out.",
-        "attempt=0",
-        "while :; do",
-        f'    launch=$(python -m validate.slurm next "$RESULTS" --nproc "$NRANKS" --system {shlex.quote(job.system)} '
-        f'{_command(common)} --ledger {shlex.quote(job.ledger)})',
-        '    [ -n "$launch" ] || break',
-        '    MASTER_PORT=$(( PORT0 + attempt )); export MASTER_PORT; attempt=$(( attempt + 1 ))',
-        "    status=0",
-        f'    mpiexec -n "$NRANKS" -ppn {TILES_PER_NODE} python -m validate.steps "$launch.jsonl" --jobs "$launch.jobs.json" '
-        f'--device xpu {_command(common)} --timeout {job.timeout} || status=$?',
-        '    echo "$status" > "$launch.status"',
-        "done",
-    ]
+    ] + _launch_loop(f"--system {shlex.quote(job.system)} {_command(common)} --ledger {shlex.quote(job.ledger)}",
+                     f"{_command(common)} --timeout {job.timeout}", "PORT0")
     compare = ("python", "-m", "perfsim.cli", "validate", "--device", "xpu", "--nproc", str(job.world),
                "--system", job.system, "--plans", plans_argument(job.plans)) + common + (
                "--ledger", job.ledger, "--json")
@@ -343,11 +348,17 @@ def record_result(measured: dict, plan: dict, model_spec: str, system_name: str,
     return True
 
 
-def record(result_path: str, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
-           warmup: int, ledger_path: str) -> bool:
-    """record_result of the one result rank 0 wrote to `result_path` (a `--plan` launch)."""
-    return record_result(_read_json(result_path), plan, model_spec, system_name, nproc, dtype, steps, warmup,
-                         ledger_path)
+def write_jobs(results: str, runs: list, system_name: str, dtype: str) -> list:
+    """Write `results`/jobs.json for the runs [(model spec, plan dict), ...]: each a validate.steps
+    job with its own model and its speed probes priced by the profile (probes()); the jobs."""
+    jobs = []
+    for model_spec, plan in runs:
+        probe, norm, kind = probes(plan, model_spec, system_name, dtype)
+        jobs.append({"model": model_spec, "plan": plan, "probe_expected_s": probe, "norm_probe_expected_s": norm,
+                     "reference_probes": kind == "reference"})
+    with open(os.path.join(results, "jobs.json"), "w") as fh:
+        json.dump(jobs, fh)
+    return jobs
 
 
 def _whole_lines(path: str) -> list:
@@ -358,19 +369,25 @@ def _whole_lines(path: str) -> list:
         return [json.loads(line) for line in fh.read().split("\n")[:-1]]
 
 
-def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int, warmup: int,
-                ledger_path: str) -> tuple:
+def next_launch(results: str, model_spec: str | None, system_name: str, nproc: int, dtype: str, steps: int,
+                warmup: int, ledger_path: str) -> tuple:
     """(the path stem of the next launch's files, or None when no plan is left; the plans left out
     after a launch failed on them): every result the launches in `results` wrote is added to the
     ledger first. Launch K's files are launch-K.jobs.json (its jobs), launch-K.jsonl (rank 0's
     lines) and launch-K.status (the launch's exit status, written when it ended: a launch without
     one was cut short with the batch job, which blames none of its plans). A launch that ended
-    without a result for each of its jobs is blamed on the first job without one."""
+    without a result for each of its jobs is blamed on the first job without one. A job's model is
+    its own "model" where it has one (the overhead runs), else `model_spec`."""
     from perfsim.spec.plan import Plan
     from validate import timing
 
-    def key(plan: dict) -> str:
-        return timing.point_key(model_spec, Plan(**plan), dtype, steps, warmup, "xpu", nproc)
+    def model_of(job: dict) -> str:
+        if not job.get("model", model_spec):
+            raise ValueError(f"job {json.dumps(job['plan'], sort_keys=True)} has no model and none was given")
+        return job.get("model", model_spec)
+
+    def key(job: dict) -> str:
+        return timing.point_key(model_of(job), Plan(**job["plan"]), dtype, steps, warmup, "xpu", nproc)
 
     stems = sorted((name[:-len(".jobs.json")] for name in os.listdir(results) if name.startswith("launch-")
                     and name.endswith(".jobs.json")), key=lambda stem: int(stem.split("-")[1]))
@@ -379,20 +396,21 @@ def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dty
         path = os.path.join(results, stem)
         jobs, lines = _read_json(path + ".jobs.json"), _whole_lines(path + ".jsonl")
         for job, measured in zip(jobs, lines):
-            if key(job["plan"]) not in recorded:  # each launch's lines are read at every call
-                record_result(measured, job["plan"], model_spec, system_name, nproc, dtype, steps, warmup, ledger_path)
-                recorded.add(key(job["plan"]))
+            if key(job) not in recorded:  # each launch's lines are read at every call
+                record_result(measured, job["plan"], model_of(job), system_name, nproc, dtype, steps, warmup,
+                              ledger_path)
+                recorded.add(key(job))
         if len(lines) < len(jobs) and os.path.exists(path + ".status"):
             with open(path + ".status") as fh:
                 status = fh.read().strip()
-            blamed[key(jobs[len(lines)]["plan"])] = (jobs[len(lines)]["plan"], stem, status)
+            blamed[key(jobs[len(lines)])] = (jobs[len(lines)], stem, status)
     left, seen = [], set()
     for job in _read_json(os.path.join(results, "jobs.json")):
-        k = key(job["plan"])
+        k = key(job)
         if k not in recorded and k not in blamed and k not in seen:
             left.append(job)
             seen.add(k)
-    failed = [(plan, stem, status) for plan, stem, status in blamed.values() if key(plan) not in recorded]
+    failed = [(job["plan"], stem, status) for k, (job, stem, status) in blamed.items() if k not in recorded]
     if not left:
         return None, failed
     stem = os.path.join(results, f"launch-{int(stems[-1].split('-')[1]) + 1 if stems else 0}")
@@ -402,28 +420,19 @@ def next_launch(results: str, model_spec: str, system_name: str, nproc: int, dty
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m validate.slurm", description="steps of the SMNG-P2 validation job")
+    p = argparse.ArgumentParser(prog="python -m validate.slurm", description="steps of the SMNG-P2 job scripts")
     sub = p.add_subparsers(dest="what", required=True)
-    r = sub.add_parser("record", help="add one plan's rank-0 result and its prediction to the ledger")
-    r.add_argument("result")
-    r.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
-    r.add_argument("--nproc", type=int, required=True)
-    r.add_argument("--model", required=True)
-    r.add_argument("--system", required=True)
-    r.add_argument("--dtype", required=True)
-    r.add_argument("--steps", type=int, required=True)
-    r.add_argument("--warmup", type=int, required=True)
-    r.add_argument("--ledger", required=True)
-    q = sub.add_parser("probes", help="print the seconds a profile predicts for a plan's two speed probes, and "
-                                      "their kind (reference or model)")
-    q.add_argument("--plan", required=True, help="the plan as a JSON object of perfsim Plan fields")
-    q.add_argument("--model", required=True)
-    q.add_argument("--system", required=True)
-    q.add_argument("--dtype", required=True)
+    j = sub.add_parser("jobs", help="write the results folder's jobs.json for runs of models of their own, their "
+                                    "speed probes priced by a profile")
+    j.add_argument("results", help="the job's results folder")
+    j.add_argument("--runs", required=True, help="JSON list of [model spec, plan as a JSON object of Plan fields]")
+    j.add_argument("--system", required=True)
+    j.add_argument("--dtype", required=True)
     n = sub.add_parser("next", help="add what the launches so far wrote to the ledger, then print the path stem of "
                                     "the next launch's files (nothing when every plan is in)")
     n.add_argument("results", help="the job's results folder (its jobs.json: every plan of the job)")
-    for flag in ("--model", "--system", "--dtype", "--ledger"):
+    n.add_argument("--model", help="the model of every job without one of its own")
+    for flag in ("--system", "--dtype", "--ledger"):
         n.add_argument(flag, required=True)
     for flag in ("--nproc", "--steps", "--warmup"):
         n.add_argument(flag, type=int, required=True)
@@ -446,13 +455,12 @@ def main(argv=None) -> int:
         if stem is not None:
             print(stem)
         return 0
-    if args.what == "probes":
-        probe, norm, kind = probes(json.loads(args.plan), args.model, args.system, args.dtype)
-        print(f"{probe:.6g} {norm:.6g} {kind}")
-        return 0
-    added = record(args.result, json.loads(args.plan), args.model, args.system, args.nproc, args.dtype, args.steps,
-                   args.warmup, args.ledger)
-    print(f"{os.path.basename(args.result)}: {'added to' if added else 'already in'} {args.ledger}")
+    try:
+        jobs = write_jobs(args.results, json.loads(args.runs), args.system, args.dtype)
+    except (OSError, ValueError, TypeError, PerfsimError) as e:  # no such folder, runs not [model, plan] pairs
+        print(f"python -m validate.slurm jobs: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(jobs)} jobs in {os.path.join(args.results, 'jobs.json')}")
     return 0
 
 

@@ -69,7 +69,7 @@ def measure(jobs: list, model, device_kind: str, dtype_name: str, steps: int, wa
     is {"plan": Plan, "probe_expected_s", "norm_probe_expected_s": what the profile says the
     speed probes take, the GEMM and the LayerNorm (None: that probe lets every step count),
     "reference_probes": the probes are the calibration's reference kernels, else the model's FC1
-    GEMM and LayerNorm}. `retake_until_s`: no plan retakes a step once its timed steps have taken
+    GEMM and LayerNorm; optionally "model", its own perfsim Model, else `model`}. `retake_until_s`: no plan retakes a step once its timed steps have taken
     this long; `budget_s`: seconds all the plans may take, each retaking steps only within its
     share (speed_probe.retake_seconds); None: no limit."""
     import datetime
@@ -106,8 +106,8 @@ def measure(jobs: list, model, device_kind: str, dtype_name: str, steps: int, wa
             retake = min(share, retake) if retake is not None else share
             retake = job_wide([retake], dist.ReduceOp.MIN)[0]
         begun = time.perf_counter()
-        result = _measure_plan(torch, dist, dev, ranks, job, model, device_kind, dtype_name, steps, warmup,
-                               speed_tolerance, retake, job_wide)
+        result = _measure_plan(torch, dist, dev, ranks, job, job.get("model", model), device_kind, dtype_name,
+                               steps, warmup, speed_tolerance, retake, job_wide)
         overheads.append(time.perf_counter() - begun - sum(result["step_times_s"]))
         if done is not None:
             done(result)
@@ -206,8 +206,9 @@ def main(argv=None) -> int:
     plans = p.add_mutually_exclusive_group(required=True)
     plans.add_argument("--plan", help="the plan as a JSON object of perfsim Plan fields")
     plans.add_argument("--jobs", help="JSON file: a list of jobs, each {plan, probe_expected_s, "
-                                      "norm_probe_expected_s, reference_probes}, measured in one launch")
-    p.add_argument("--model", required=True, help="perfsim model spec")
+                                      "norm_probe_expected_s, reference_probes} and optionally its own model "
+                                      "(a model spec), measured in one launch")
+    p.add_argument("--model", help="perfsim model spec (of every job without a model of its own)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "xpu"))
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--steps", type=int, default=3)
@@ -239,12 +240,15 @@ def main(argv=None) -> int:
     else:
         jobs = [{"plan": Plan(**json.loads(args.plan)), "probe_expected_s": args.probe_expected,
                  "norm_probe_expected_s": args.norm_probe_expected, "reference_probes": args.reference_probes}]
+    if args.model is None and any("model" not in job for job in jobs):
+        p.error("--model is needed for the jobs without a model of their own")
+    jobs = [dict(job, model=load_model(job["model"])) if "model" in job else job for job in jobs]
     with open(args.out, "w") if rank_environment().rank == 0 else contextlib.nullcontext() as out:
         def write(result):  # rank 0: one whole line per plan as it finishes (the launcher reads them as they come)
             if result.pop("rank") == 0:
                 out.write(json.dumps(result) + "\n")
                 out.flush()
-        measure(jobs, load_model(args.model), args.device, args.dtype, args.steps, args.warmup, args.timeout,
+        measure(jobs, load_model(args.model) if args.model else None, args.device, args.dtype, args.steps, args.warmup, args.timeout,
                 args.threads, args.speed_tolerance, args.retake_until, args.budget, write)
     # Leave without the interpreter's teardown: a C++ thread of torch's runtime that is still
     # joinable at exit aborts the process now and then ("terminate called without an active

@@ -378,7 +378,7 @@ def machine_speed(measured: dict) -> dict:
 def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup: int, measured: dict,
                 prediction: dict, system) -> dict:
     """The ledger record of one plan's measured step and its prediction: the local run (run_plans)
-    and the Slurm job (validate.slurm.record) write the same, so either one resumes from the other's ledger."""
+    and the Slurm jobs (validate.slurm.record_result) write the same, so either one resumes from the other's ledger."""
     return {"key": key, "suite": "step", "op": "training_step", "dtype": dtype, "model": model_spec,
             "plan": plan.as_dict(), "steps": steps, "warmup": warmup, "harness_revision": HARNESS_REVISION,
             "measured": measured, "predicted": prediction, "system": system.name}
