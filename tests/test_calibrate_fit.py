@@ -618,4 +618,4 @@ def test_the_collective_notes_give_the_measurements_own_precision():
                                              "repeats": n}}
     # population std 0.3 over 10 repetitions: sample std 0.3 * sqrt(10/9), standard error that / sqrt(10)
     note = _repetition_spread([record(1.0, 0.3, 10), record(2.0, 0.6, 10), record(1.0, 0.3, 10)])
-    assert "known to 10.0% (standard error" in note
+    assert "known to 10.0% at best (standard error over single repetitions" in note

@@ -174,8 +174,9 @@ def _repetition_spread(records) -> str | None:
     if not ratios:
         return None
     parts = [f"{float(np.median(ratios[name])):.2f} {name}" for _, name in bands if name in ratios]
-    floor = (f"; each point's mean is known to {100 * float(np.median(errors)):.1f}% (standard error, median over "
-             f"points), a floor under any held-out error" if errors else "")
+    floor = (f"; each point's mean is known to {100 * float(np.median(errors)):.1f}% at best (standard error over "
+             f"single repetitions, median over points: repetitions that come in runs of one mode make it look "
+             f"smaller than it is), a floor under any held-out error" if errors else "")
     return ("collective repetitions, median / min of each point (median over points): " + ", ".join(parts)
             + " (1 on a quiet machine)" + floor)
 
