@@ -235,9 +235,8 @@ def probes(plan: dict, model_spec: str, system_name: str, dtype: str) -> tuple:
     return probe, norm, PROBE_KIND[reference]
 
 
-# How a job script names the probes' kind; `reference` adds --reference-probes to validate.steps.
+# How probes() names the probes' kind: the calibration's reference kernels, or the model's shapes.
 PROBE_KIND = {True: "reference", False: "model"}
-REFERENCE_FLAG = '$( [ "$kind" = reference ] && echo --reference-probes )'
 
 
 MAX_PLANS = 100  # plan i rendezvouses on port base + i, inside the job's block of 100 ports
@@ -371,13 +370,14 @@ def _whole_lines(path: str) -> list:
 
 def next_launch(results: str, model_spec: str | None, system_name: str, nproc: int, dtype: str, steps: int,
                 warmup: int, ledger_path: str) -> tuple:
-    """(the path stem of the next launch's files, or None when no plan is left; the plans left out
-    after a launch failed on them): every result the launches in `results` wrote is added to the
-    ledger first. Launch K's files are launch-K.jobs.json (its jobs), launch-K.jsonl (rank 0's
-    lines) and launch-K.status (the launch's exit status, written when it ended: a launch without
-    one was cut short with the batch job, which blames none of its plans). A launch that ended
-    without a result for each of its jobs is blamed on the first job without one. A job's model is
-    its own "model" where it has one (the overhead runs), else `model_spec`."""
+    """(the path stem of the next launch's files, or None when no plan is left; (job, launch,
+    exit status) of each job left out after a launch failed on it): every result the launches in
+    `results` wrote is added to the ledger first. Launch K's files are launch-K.jobs.json (its
+    jobs), launch-K.jsonl (rank 0's lines) and launch-K.status (the launch's exit status, written
+    when it ended: a launch without one was cut short with the batch job, which blames none of its
+    plans). A launch that ended without a result for each of its jobs is blamed on the first job
+    without one. A job's model is its own "model" where it has one (the overhead runs), else
+    `model_spec`."""
     from perfsim.spec.plan import Plan
     from validate import timing
 
@@ -410,7 +410,7 @@ def next_launch(results: str, model_spec: str | None, system_name: str, nproc: i
         if k not in recorded and k not in blamed and k not in seen:
             left.append(job)
             seen.add(k)
-    failed = [(job["plan"], stem, status) for k, (job, stem, status) in blamed.items() if k not in recorded]
+    failed = [(job, stem, status) for k, (job, stem, status) in blamed.items() if k not in recorded]
     if not left:
         return None, failed
     stem = os.path.join(results, f"launch-{int(stems[-1].split('-')[1]) + 1 if stems else 0}")
@@ -444,8 +444,9 @@ def main(argv=None) -> int:
         except (OSError, ValueError, KeyError) as e:  # no jobs.json, a line or job that is not what it should be
             print(f"python -m validate.slurm next: {args.results}: {e}", file=sys.stderr)
             return 2
-        for plan, launch, status in failed:
-            print(f"python -m validate.slurm next: {json.dumps(plan, sort_keys=True)} is left out: {launch} ended "
+        for job, launch, status in failed:
+            what = json.dumps(job["plan"], sort_keys=True) + (f" of model {job['model']}" if "model" in job else "")
+            print(f"python -m validate.slurm next: {what} is left out: {launch} ended "
                   f"(exit status {status}) before its result; remove {os.path.join(args.results, launch)}.* to "
                   "try it again", file=sys.stderr)
         if stem is None and failed:

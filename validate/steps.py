@@ -69,9 +69,10 @@ def measure(jobs: list, model, device_kind: str, dtype_name: str, steps: int, wa
     is {"plan": Plan, "probe_expected_s", "norm_probe_expected_s": what the profile says the
     speed probes take, the GEMM and the LayerNorm (None: that probe lets every step count),
     "reference_probes": the probes are the calibration's reference kernels, else the model's FC1
-    GEMM and LayerNorm; optionally "model", its own perfsim Model, else `model`}. `retake_until_s`: no plan retakes a step once its timed steps have taken
-    this long; `budget_s`: seconds all the plans may take, each retaking steps only within its
-    share (speed_probe.retake_seconds); None: no limit."""
+    GEMM and LayerNorm; optionally "model", its own perfsim Model, else `model`}. `retake_until_s`:
+    no plan retakes a step once its timed steps have taken this long; `budget_s`: seconds all the
+    plans may take, each retaking steps only within its share (speed_probe.retake_seconds); None:
+    no limit."""
     import datetime
     import gc
     import statistics
@@ -154,17 +155,17 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
         timed_step()
     # Each timed step follows the machine-speed probe (validate.speed_probe); stepping goes on until
     # `steps` of them ran at the profile's speed and agree (steps_settled), or MAX_STEPS_FACTOR x
-    # steps ran, or (past `steps`)
-    # the timed steps have taken retake_until_s (the plan's share of the run's time budget). Every
-    # rank takes the job-wide (slowest rank's) step and probe times, so all decide alike.
+    # steps ran, or (past `steps`) the timed steps have taken retake_until_s (the plan's share of the
+    # run's time budget). Every rank takes the job-wide (slowest rank's) step and probe times, so all
+    # decide alike.
     if job["reference_probes"]:
         probe, norm_probe = make_reference_probes(torch, dev)
     else:
         probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
         norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
     times, probes, norm_probes, speed_flags = [], [], [], []
-    while not steps_settled(times, speed_flags, steps, speed_tolerance) and len(times) < MAX_STEPS_FACTOR * steps and (
-            len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
+    while not steps_settled(times, speed_flags, steps, speed_tolerance) and len(times) < MAX_STEPS_FACTOR * steps \
+            and (len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
         dist.barrier()
         probe_s, norm_s = probe(), norm_probe()
         elapsed, probe_s, norm_s = job_wide([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
@@ -248,8 +249,8 @@ def main(argv=None) -> int:
             if result.pop("rank") == 0:
                 out.write(json.dumps(result) + "\n")
                 out.flush()
-        measure(jobs, load_model(args.model) if args.model else None, args.device, args.dtype, args.steps, args.warmup, args.timeout,
-                args.threads, args.speed_tolerance, args.retake_until, args.budget, write)
+        measure(jobs, load_model(args.model) if args.model else None, args.device, args.dtype, args.steps, args.warmup,
+                args.timeout, args.threads, args.speed_tolerance, args.retake_until, args.budget, write)
     # Leave without the interpreter's teardown: a C++ thread of torch's runtime that is still
     # joinable at exit aborts the process now and then ("terminate called without an active
     # exception") after all the work is done and written.
