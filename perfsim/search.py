@@ -25,7 +25,7 @@ import numpy as np
 
 from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
-from perfsim.predict import Prediction, evaluate, predict
+from perfsim.predict import evaluate, predict
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.plan import ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
 from perfsim.spec.system import System

@@ -15,7 +15,6 @@ number on plans of every kind, and checks that the corners bound every draw.
 
 from __future__ import annotations
 
-import numpy as np
 
 # A number's name (its key without the section, or the table of a per-operation entry) -> True
 # where a higher value makes a step faster (or its memory smaller), False where a lower one does.
