@@ -62,3 +62,27 @@ def test_cpu_allocation_peak_counts_what_the_build_keeps_not_its_transients():
         del transient
     assert 40 * mb <= whole.bytes < 41 * mb
     del kept
+
+
+def test_cpu_allocation_peak_sees_frees_on_other_threads():
+    """A tensor freed on a thread the profiler does not follow (as gloo's workers free a
+    reduce-scatter's clone) leaves the peak's running total, and c10's flag is put back after."""
+    import threading
+
+    from validate.device import Device, count_frees_on_every_thread
+
+    dev = Device("cpu")
+    mb = 1 << 20
+    before = count_frees_on_every_thread(False)
+    assert before is not None, "this torch build does not export c10's flag: CPU peaks would miss other threads' frees"
+    held = [torch.empty(40 * mb, dtype=torch.uint8)]
+    with dev.allocation_peak() as peak:
+        held.append(torch.empty(40 * mb, dtype=torch.uint8))
+        freeing = threading.Thread(target=held.clear)
+        freeing.start()
+        freeing.join()
+        peak.window()
+        during = torch.empty(8 * mb, dtype=torch.uint8)
+        del during
+    assert 8 * mb <= peak.bytes < 9 * mb  # 48 MB when the other thread's free went unseen
+    assert count_frees_on_every_thread(before) is False

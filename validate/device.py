@@ -220,6 +220,7 @@ class AllocationPeak:
     def __init__(self, device: "Device"):
         self.device, self.bytes = device, None
         self._window = None
+        self._every_thread = None
 
     def __enter__(self):
         dev = self.device
@@ -230,6 +231,7 @@ class AllocationPeak:
         else:
             from torch.profiler import ProfilerActivity, profile
 
+            self._every_thread = count_frees_on_every_thread(True)
             self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profile.__enter__()
         return self
@@ -245,6 +247,9 @@ class AllocationPeak:
 
             self._window = record_function(self.WINDOW)
             self._window.__enter__()
+            # an allocation puts the running total of this moment in the trace: the last one
+            # before may be stale, by frees on threads without a [memory] event of their own
+            dev.torch.empty(1)
 
     def __exit__(self, *exc):
         dev = self.device
@@ -255,13 +260,45 @@ class AllocationPeak:
         if self._window is not None:
             self._window.__exit__(*exc)
         self._profile.__exit__(*exc)
+        if self._every_thread is not None:
+            count_frees_on_every_thread(self._every_thread)
         if exc[0] is None:
             self.bytes = _profiled_peak(self._profile, self.WINDOW if self._window is not None else None)
 
 
+# c10's CPU allocator keeps the running total the profiler reports ('Total Allocated'), but only on
+# threads where the profiler is on: a tensor freed on any other thread stays in that total for
+# good. gloo's worker threads drop their work (and a reduce-scatter's clone of its input) outside
+# the profiler's thread state, so each such free left a phantom block in the total: the same
+# FSDP2 step "peaked" 362-502 MB from run to run (docs/calibration.md, section 5). c10's flag
+# caffe2_report_cpu_memory_usage makes every thread's allocations and frees count; it has no
+# Python binding, so it is set in libc10 itself.
+_C10_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+def count_frees_on_every_thread(on: bool) -> bool | None:
+    """Set c10's flag that counts CPU allocations and frees on every thread; return its previous
+    value, or None where this torch build does not export it (the total then misses other
+    threads' frees)."""
+    import ctypes
+    import glob
+
+    import torch
+
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
+        try:
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), _C10_FLAG)
+        except (OSError, ValueError):
+            continue
+        previous, flag.value = bool(flag.value), on
+        return previous
+    return None
+
+
 def _profiled_peak(prof, window: str | None = None) -> int:
     """The largest 'Total Allocated' of the trace's CPU [memory] events, from the start of the
-    `window` event on (the running total just before it included)."""
+    `window` event on (AllocationPeak.window allocates right there, so the running total of
+    that moment is in)."""
     import json
     import tempfile
 
@@ -278,9 +315,7 @@ def _profiled_peak(prof, window: str | None = None) -> int:
     if window is None:
         return int(max(t for _, t, _ in memory) - base)
     start = min(e["ts"] for e in events if e.get("name") == window)
-    before = [t for ts, t, _ in memory if ts < start]
-    inside = [t for ts, t, _ in memory if ts >= start]
-    return int(max(inside + before[-1:], default=base) - base)
+    return int(max((t for ts, t, _ in memory if ts >= start), default=base) - base)
 
 
 class WallTimer:
