@@ -128,30 +128,56 @@ def test_fsdp2_zero2_reduces_and_gathers_one_module_at_a_time():
 
 def test_fsdp2_memory_by_hand():
     """FSDP2's memory beside DeepSpeed's (docs/equations.md 6.2): ZeRO-2 keeps the bf16 shard as
-    well as the gathered weights; at the largest module's reduce-scatter, its unsharded gradients,
+    well as the gathered weights; the peak is the loss or a module's reduce-scatter in the last
+    micro-batch's backward, whichever holds more. At the reduce-scatter its unsharded gradients,
     their flat copy, the output shard and gloo's clone of the input are alive, the module itself
-    resharded; under ZeRO-3 the next layer is prefetched where DeepSpeed's ZeRO-3 holds two layers.
-    The largest module here is the word embedding."""
+    resharded (under ZeRO-3 the next module prefetched, where DeepSpeed's ZeRO-3 holds two
+    layers), and what the backward freed before is gone. Here the head's call is the peak: the
+    word embedding is the largest module and its backward the first."""
     from perfsim.cost import counts
-    from perfsim.cost.layer import BF16
+    from perfsim.cost.layer import BF16, FP32
     from perfsim.cost.memory import memory_breakdown
 
     for zero in (2, 3):
         model, system, _, c, n = _fsdp2_case(perfsim.Plan(dp=2, zero=zero, mbs=1, gbs=4),
-                                             "layers=6,hidden=256,heads=4,seq=128,vocab=8192")
+                                             "layers=6,hidden=256,heads=4,seq=128,vocab=8192,tied_embeddings=false,dropout=false")
         deepspeed = dataclasses.replace(system, framework=dataclasses.replace(system.framework,
                                                                               zero_implementation="deepspeed"))
         fsdp2, ds = (memory_breakdown(model, s, c, last_stage=False) for s in (system, deepspeed))
+        s, h, vocab = model.seq, model.hidden, model.padded_vocab(1)
         layer = BF16 * sum(counts.layer_params(model).values())
-        word = BF16 * model.padded_vocab(1) * model.hidden
+        word = BF16 * vocab * h
         assert word > layer
         grad = system.framework.grad_bytes_per_param
         shard = BF16 * n / 2 if zero == 2 else 0.0
         assert float(fsdp2["weights"]) == pytest.approx(float(ds["weights"]) + shard, rel=1e-12)
         copies = system.framework.reduce_scatter_input_copies
         assert copies == 1  # gloo's clone
-        # ZeRO-3: the prefetched layer where DeepSpeed holds two; ZeRO-2: the embedding, resharded
-        # before its reduce-scatter, is not among the gathered weights any more
-        extra = (2 + 1 / 2 + copies) * grad / BF16 * word + (layer - 2 * layer if zero == 3 else -word)
+        # gone by the head's call: the logits GEMM's input, the loss's fp32 softmax, the bf16 logits
+        head_gone = BF16 * s * h + FP32 * s * vocab + BF16 * s * vocab
+        head_call = (2 + 1 / 2 + copies) * grad / BF16 * word + (layer if zero == 3 else -word) - head_gone
+        per_layer = (float(ds["activations"]) - head_gone - BF16 * s * h) / model.layers  # less the norm input
+        layer_call = (2 + 1 / 2 + copies) * grad / BF16 * layer + (layer if zero == 3 else -layer) \
+            - (head_gone + BF16 * s * h) - per_layer
+        assert head_call > layer_call > 0
+        deepspeed_gathers = 2 * layer if zero == 3 else 0.0
         slack = 1 + system.framework.allocator_overhead_fraction
-        assert float(fsdp2["total"] - ds["total"]) == pytest.approx((shard + extra) * slack, rel=1e-9)
+        assert float(fsdp2["total"] - ds["total"]) == pytest.approx((shard + head_call - deepspeed_gathers) * slack,
+                                                                    rel=1e-9)
+
+
+def test_fsdp2_peak_is_the_loss_when_the_logits_outweigh_the_reduce_scatter():
+    """Long sequences, a large vocabulary and a backend that reduces in place: the logits and the
+    loss's softmax, gone by any reduce-scatter, hold more than the reduce-scatter's buffers, so
+    FSDP2's ZeRO-2 adds only its shard to DeepSpeed's total."""
+    from perfsim.cost.layer import BF16
+    from perfsim.cost.memory import memory_breakdown
+
+    model, system, _, c, n = _fsdp2_case(perfsim.Plan(dp=2, zero=2, mbs=1, gbs=4),
+                                         "layers=6,hidden=256,heads=4,seq=2048,vocab=32768,tied_embeddings=false,dropout=false")
+    in_place = dataclasses.replace(system.framework, reduce_scatter_input_copies=0)
+    fsdp2 = memory_breakdown(model, dataclasses.replace(system, framework=in_place), c, last_stage=False)
+    ds = memory_breakdown(model, dataclasses.replace(system, framework=dataclasses.replace(
+        in_place, zero_implementation="deepspeed")), c, last_stage=False)
+    slack = 1 + system.framework.allocator_overhead_fraction
+    assert float(fsdp2["total"] - ds["total"]) == pytest.approx(BF16 * n / 2 * slack, rel=1e-9)

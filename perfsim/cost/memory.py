@@ -9,6 +9,8 @@ pipeline stage holds at once. The first and the last stage are computed; the pea
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from perfsim.cost import counts, fp8
@@ -149,37 +151,50 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    activations = activations + np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash, e), 0)
+    rebuilt = np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash, e), 0)
+    activations = activations + rebuilt
     first = (p == 1) | (not last_stage and not second)
     last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
     # final norm input, the logits GEMM input and the fp32 softmax the loss keeps for backward
-    head = e * s * b * h / region + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) \
-        + FP32 * s * b * vocab / t
+    norm_input = e * s * b * h / region
+    head = norm_input + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
     buffers = np.where(p > 1, 2 * e * s * b * h / t, 0)  # pipeline receive buffers
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), e * s * b * h, 0)  # SP all-gather
     buffers = buffers + ring_attention_buffer_bytes(model, c)
     # the logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
-    buffers = buffers + np.where(last, e * s * b * vocab / t, 0)
+    logits = e * s * b * vocab / t
+    buffers = buffers + np.where(last, logits, 0)
     shard = weight_shard(c.tp_mode, t, c.tp_depth)
     layer_weights = e * sum(counts.layer_params(model).values()) / shard
     zero3 = (c.zero >= 3) & (dp > 1)
     buffers = buffers + np.where(zero3 & ~fsdp2, 2 * layer_weights, 0)  # ZeRO-3: gathered + prefetched layer
-    # FSDP2 at its peak, the largest module's reduce-scatter in the last micro-batch (docs/equations.md
-    # 6.2): its unsharded gradients, their copy in the flat input, the output shard and the copies
-    # the collective library makes of the input (framework.reduce_scatter_input_copies: gloo clones
-    # it). The module itself was resharded just before, which ZeRO-2's gathered weights (counted
-    # whole above) leave out; ZeRO-3 holds the next layer, prefetched. The module is the largest of
-    # the stage's: a layer, or the word embedding or head on the stages holding them.
+    # FSDP2 peaks at the loss (everything above) or at a module's reduce-scatter in the last
+    # micro-batch's backward, whichever holds more (docs/equations.md 6.2). At the reduce-scatter:
+    # the module's unsharded gradients, their copy in the flat input, the output shard and the
+    # copies the collective library makes of the input (framework.reduce_scatter_input_copies:
+    # gloo clones it); the module itself resharded just before, which ZeRO-2's gathered weights
+    # (counted whole above) leave out, and under ZeRO-3 the next module prefetched. What that
+    # micro-batch's backward has already freed is gone: the head's tensors but the final norm's
+    # input at the head's call; the head's and one layer's at the stage's last layer's; every
+    # layer's at the word embedding's, the last call of the backward.
     word = e * model.padded_vocab(t) * h / shard
-    largest = np.maximum(layer_weights, np.where(first | last, word, 0))
     copies = 0.0 if fw.reduce_scatter_input_copies is None else fw.reduce_scatter_input_copies
-    scatter = fw.grad_bytes_per_param / e * largest * (2 + 1 / dp + copies)
-    buffers = buffers + np.where(fsdp2, scatter + np.where(zero3, layer_weights, -largest), 0)
+    head_gone = np.where(last, head + logits, 0)
+
+    def at_reduce_scatter(module, prefetched, gone):
+        scatter = fw.grad_bytes_per_param / e * module * (2 + 1 / dp + copies)
+        return scatter + np.where(zero3, prefetched, -module) - gone
+
+    holds_head = last & ~(model.tied_embeddings & (p == 1))  # tied in one stage: one module, reduced last
+    calls = [np.where(holds_head, at_reduce_scatter(word, layer_weights, head_gone - np.where(last, norm_input, 0)), 0),
+             np.where(layers > 0, at_reduce_scatter(layer_weights, layer_weights, head_gone + per_layer + rebuilt), 0),
+             np.where(first, at_reduce_scatter(word, 0, head_gone + layers * per_layer + rebuilt), 0)]
+    buffers = buffers + np.where(fsdp2, functools.reduce(np.maximum, calls, 0.0), 0)
     live = weights + grads + optimizer + activations + buffers
     buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
     total = weights + grads + optimizer + activations + buffers
