@@ -230,3 +230,38 @@ def test_concurrent_rounds_go_on_until_their_mean_is_precise():
     n = len(precise["both"])
     assert n > 5 and n % 5 == 0 and len(precise["alone"]) == len(precise["burst"]) == n
     assert mb.relative_standard_error(precise["both"]) <= 0.05
+
+
+def test_sizes_timed_in_turn_share_the_machine_s_modes():
+    """A machine whose fast (0.3 ms) and slow (4 ms) modes last a quarter of a second, longer than
+    a point's batches: timed one after the other, each size of a latency-bound collective (the
+    same true time at every size) catches a mode of its own and the curve over sizes comes out
+    jagged; timed in turn, one call per point per visit, every size samples the same stretch of
+    time and their means agree."""
+    import time
+
+    from validate.campaign import precise_in_turn, precise_mean
+
+    clock = Clock()
+
+    def call():
+        clock.now += 4e-3 if int(clock.now / 0.25) % 2 else 3e-4
+
+    def burst():
+        clock.now += 3e-3
+
+    points = [mb.Point("collective", "all_gather", "fp32", mb._shape(nbytes=1 << k), group=(2, 1),
+                       timing="interleaved") for k in range(10, 20)]
+    one_by_one = [statistics.fmean(mb.repetitions(FakeDevice(clock), call, 2, 5, 2e-3, before=burst, max_number=1,
+                                                  max_repeats_factor=1,
+                                                  more=precise_mean(EchoComm(), time.monotonic()))[0])
+                  for _ in points]
+    comm = mb.Communicator.__new__(mb.Communicator)  # no process group: its timing logic alone
+    comm.device, comm.compute_burst, comm.make = FakeDevice(clock), burst, lambda point: call
+    comm.agree_max, comm.max_each = (lambda x: x), (lambda xs: list(xs))
+    more = precise_in_turn(comm, time.monotonic(), 60.0, 5)
+    in_turn = [statistics.fmean(t) for t in comm.time_in_turn(points, 5, 2, more)]
+    assert max(one_by_one) / min(one_by_one) > 3  # whole points inside one mode
+    assert max(in_turn) / min(in_turn) < 1.15
+    assert more([[3e-4] * 15, [3e-4] * 5]) == [1]  # too few calls yet
+    assert precise_in_turn(comm, time.monotonic() - 2, 1.0, 5)([[3e-4] * 5]) == []  # out of time

@@ -138,21 +138,40 @@ def run_worker(options: Options, environ=None, out=None) -> int:
         comm = mb.Communicator(torch, device, ranks.rank, ranks.world, shapes) if ranks.world > 1 else None
         references = (mb.References(torch, device)
                       if any(points[i].suite in mb.REFERENCE_SUITES for i in todo) else None)
-        started = time.monotonic()
-        for n, i in enumerate(todo, 1):
+        started, measured = time.monotonic(), 0
+
+        def append(i: int, record: dict) -> None:  # rank 0: the ledger line and the progress line
+            nonlocal measured
+            measured += 1
+            if ledger is None:
+                return
             point = points[i]
-            record = measure(torch, device, comm, point, options, references)
-            if ledger is not None:
-                ledger.append({"key": keys[i], "suite": point.suite, "op": point.op, "dtype": point.dtype,
-                               "shape": point.dims, "group": list(point.group) if point.group else None,
-                               "origin": point.origin, **({"timing": point.timing} if point.timing else {}),
-                               **record})
-                elapsed = time.monotonic() - started
-                eta = elapsed / n * (len(todo) - n)
-                stats = record.get("stats")
-                what = f"{stats['median_s'] * 1e3:.4g} ms" if stats else f"failed: {record.get('error')}"
-                print(f"[{n}/{len(todo)}, {elapsed:.0f} s, about {eta:.0f} s left] {point.describe()}: {what}",
-                      file=out, flush=True)
+            ledger.append({"key": keys[i], "suite": point.suite, "op": point.op, "dtype": point.dtype,
+                           "shape": point.dims, "group": list(point.group) if point.group else None,
+                           "origin": point.origin, **({"timing": point.timing} if point.timing else {}),
+                           **record})
+            elapsed = time.monotonic() - started
+            eta = elapsed / measured * (len(todo) - measured)
+            stats = record.get("stats")
+            what = f"{stats['median_s'] * 1e3:.4g} ms" if stats else f"failed: {record.get('error')}"
+            print(f"[{measured}/{len(todo)}, {elapsed:.0f} s, about {eta:.0f} s left] {point.describe()}: {what}",
+                  file=out, flush=True)
+
+        done_here = set()
+        for i in todo:
+            if i in done_here:
+                continue
+            point = points[i]
+            turn = [j for j in todo if j not in done_here and in_turn_with(points[j], point)] \
+                if comm is not None and timed_in_turn(point) else []
+            # the sizes of an interleaved collective in turn, appended at once (a call too long for
+            # the turn is measured alone right after); every other point alone
+            if not turn:
+                append(i, measure(torch, device, comm, point, options, references))
+                continue
+            for j, record in zip(turn, measure_in_turn(torch, device, comm, [points[j] for j in turn], options)):
+                append(j, record or measure(torch, device, comm, points[j], options, references))
+                done_here.add(j)
         return len(todo)
     finally:
         if ledger is not None:
@@ -179,6 +198,73 @@ def precise_mean(comm, started: float):
         within = time.monotonic() - started < mb.COLLECTIVE_POINT_BUDGET_S
         return bool(comm.agree_max(1.0 if loose and within else 0.0))
     return more
+
+
+def timed_in_turn(point) -> bool:
+    """Is the point an interleaved collective, timed in turn with the other sizes of its operation?"""
+    from validate import microbench as mb
+
+    return point.suite == "collective" and point.timing == mb.COLLECTIVE_TIMING
+
+
+def in_turn_with(point, other) -> bool:
+    """Are the two points sizes of one operation, dtype and group layout, timed in turn?"""
+    return timed_in_turn(point) and (point.op, point.dtype, point.group) == (other.op, other.dtype, other.group)
+
+
+def precise_in_turn(comm, started: float, budget_s: float, batch: int):
+    """Communicator.time_in_turn's `more`: the points whose slowest-rank times are fewer than
+    COLLECTIVE_MIN_BATCHES batches of `batch` or leave their mean less precise than
+    COLLECTIVE_PRECISION (from the batches' means), while the turn is within `budget_s` of
+    `started` on some rank (every rank gets the same answer)."""
+    from validate import microbench as mb
+
+    def more(times: list) -> list:
+        if not comm.agree_max(1.0 if time.monotonic() - started < budget_s else 0.0):
+            return []
+        flat = comm.max_each([t for each in times for t in each])
+        loose, at = [], 0
+        for i, each in enumerate(times):
+            slowest, at = flat[at:at + len(each)], at + len(each)
+            if len(slowest) < mb.COLLECTIVE_MIN_BATCHES * batch \
+                    or mb.relative_standard_error(slowest, batch) > mb.COLLECTIVE_PRECISION:
+                loose.append(i)
+        return loose
+    return more
+
+
+def measure_in_turn(torch, device, comm, points: list, options: Options) -> list:
+    """Records of interleaved collective points timed in turn (Communicator.time_in_turn), each
+    with the slowest rank's time of each call, for as long as their one-at-a-time measurement
+    would have taken at most (COLLECTIVE_POINT_BUDGET_S a point). A point whose call takes longer
+    than LONG_CALL_S is left out (None): so long a call sees no mode of a few milliseconds, and
+    measure() times it alone with few repetitions."""
+    from validate import microbench as mb
+
+    comm.barrier()
+    try:
+        first = [comm.agree_max(_timed(device, comm.make(point))) for point in points]
+        turn = [point for point, seconds in zip(points, first) if seconds <= mb.LONG_CALL_S]
+        more = (lambda times: []) if options.quick else \
+            precise_in_turn(comm, time.monotonic(), len(turn) * mb.COLLECTIVE_POINT_BUDGET_S, options.repeats)
+        times = comm.time_in_turn(turn, options.repeats, options.warmup, more) if turn else []
+        error = None
+    except (RuntimeError, ValueError, NotImplementedError, MemoryError) as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if comm.agree_max(1.0 if error else 0.0):
+        return [{"error": error or "failed on another rank", "nbytes": comm.nbytes(point)} for point in points]
+    measured = dict(zip(turn, times))
+    return [{"stats": mb.Stats(comm.max_each(measured[point])).as_dict(1), "nbytes": comm.nbytes(point),
+             "timed_in_turn_with": len(turn)} if point in measured else None for point in points]
+
+
+def _timed(device, fn) -> float:
+    """Seconds of one call of `fn` (a first, untimed-as-a-result call: it also warms up)."""
+    timer = device.timer()
+    device.sync()
+    timer.start()
+    fn()
+    return max(timer.stop(), 1e-9)
 
 
 def measure(torch, device, comm, point, options: Options, references=None) -> dict:

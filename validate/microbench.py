@@ -745,6 +745,31 @@ class Communicator:
                     times[name].append(timed(fn))
         return times
 
+    def time_in_turn(self, points: list, rounds: int, warmup: int, more) -> list:
+        """Seconds of each point's collective on this rank, every call timed as an interleaved call
+        is (alone, right after the standard burst), but the points visited in turn, one call each
+        per visit: `rounds` visits, then as many again for the points `more(times)` returns (their
+        indices; the same on every rank) until it returns none. gloo's fast and slow modes last
+        longer than a point's second of calls (section 4.2 of docs/calibration.md), so points
+        timed one after the other each caught their own mix of them and the sizes of one operation
+        came out jagged; in turn, every point samples the same stretch of the machine's time."""
+        fns = [self.make(point) for point in points]
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+        timer = self.device.timer()
+        times = [[] for _ in points]
+        visiting = list(range(len(points)))
+        while visiting:
+            for _ in range(rounds):
+                for i in visiting:
+                    self.compute_burst()
+                    timer.start()
+                    fns[i]()
+                    times[i].append(max(timer.stop(), 1e-9))
+            visiting = more(times)
+        return times
+
     def _sized_burst(self, target: float | None = None) -> tuple:
         torch, dev = self.torch, self.device.torch_device
         kind = "cpu" if self.device.kind == "cpu" else "gpu"
