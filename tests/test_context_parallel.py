@@ -14,7 +14,7 @@ import pytest
 from perfsim import cli
 from perfsim.cost import counts
 from perfsim.cost import tensor_parallel as tpc
-from perfsim.cost.columns import columns_of
+from perfsim.cost.columns import at_dtype, columns_of
 from perfsim.cost.context_parallel import kv_block_bytes, ring_attention_times, ring_step_times
 from perfsim.cost.data_parallel import step_reduction_time
 from perfsim.cost.layer import work
@@ -48,6 +48,34 @@ class FixedRing:
 
     def link(self, size, stride):
         return 100e9, 10e-6
+
+    def send(self, nbytes, size, stride):
+        return nbytes / 100e9 + 10e-6
+
+
+def test_a_ring_step_costs_what_the_calibration_measured_for_that_exchange():
+    """The ring's step is the point-to-point exchange the calibration's send points time (each
+    member sends to the next while receiving from the previous): a 1 MiB key/value block of the
+    validation model (fp32, two sequences, 128 tokens a rank, hidden 512) costs the measured 1 MiB
+    exchange, the backward's block and gradient the 2 MiB one (avx2 r9's ledger, table width aside)."""
+    import json
+    import os
+
+    where = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hwprofiles", "ledgers",
+                         "transfer", "avx2-r9")
+    measured = {}
+    with open(os.path.join(where, "calibration.jsonl")) as fh:
+        for line in fh:
+            r = json.loads(line)
+            if r.get("op") == "send" and r.get("timing") == "interleaved" and r.get("group") == [2, 1]:
+                measured[r["nbytes"]] = r["stats"]["mean_s"]
+    model = load_model("layers=4,hidden=512,heads=8,seq=256,vocab=8192,tied_embeddings=false,dropout=false")
+    c = at_dtype(columns_of(Plan(cp=2, attention="flash", mbs=2, gbs=4)), "fp32")
+    assert kv_block_bytes(model, c.mbs, c.cp, c.tp, c.element) == 1 << 20
+    comm = TopologyCommModel(load_system(os.path.join(where, "cpu-avx2.toml")))
+    forward, backward = ring_step_times(comm, model, c)
+    assert float(forward) == pytest.approx(measured[1 << 20], rel=0.1)
+    assert float(backward) == pytest.approx(measured[2 << 20], rel=0.1)
 
 
 def test_one_ring_step_moves_a_block_forward_and_block_plus_gradient_backward():

@@ -29,11 +29,11 @@ def kv_block_bytes(model: ModelSpec, mbs, cp, tp, element=BF16):
 
 def ring_step_times(comm, model: ModelSpec, c) -> tuple:
     """(forward, backward) seconds of one ring step: every rank sends its block to the next rank
-    of its cp group and receives one from the previous, all groups at once (one step of the flat
-    ring over (cp, its stride)); backward sends the block and its gradient."""
+    of its cp group and receives one from the previous, all groups at once, priced as the
+    point-to-point exchange it is (CommModel.send, as a pipeline's hops: the profile's send line
+    and, where it has one, its measured table); backward sends the block and its gradient."""
     block = kv_block_bytes(model, c.mbs, c.cp, c.tp, c.element)
-    bandwidth, latency = comm.link(c.cp, c.strides["cp"])
-    return block / bandwidth + latency, 2 * block / bandwidth + latency
+    return comm.send(block, c.cp, c.strides["cp"]), comm.send(2 * block, c.cp, c.strides["cp"])
 
 
 def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backward_s, efficiency=1.0) -> tuple:
