@@ -12,6 +12,7 @@ MASTER_PORT come from the job (the Slurm script) or the local launcher.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -193,8 +194,8 @@ def precise_mean(comm, started: float):
     def more(times: list) -> bool:
         if not batch:  # the first call sees one batch
             batch.append(len(times))
-        loose = (len(times) < mb.COLLECTIVE_MIN_BATCHES * batch[0]
-                 or mb.relative_standard_error(comm.max_each(times), batch[0]) > mb.COLLECTIVE_PRECISION)
+        # too few times is decided without the ranks' max (a collective), as every rank has as many
+        loose = len(times) < mb.COLLECTIVE_MIN_BATCHES * batch[0] or not mb.mean_known(comm.max_each(times), batch[0])
         within = time.monotonic() - started < mb.COLLECTIVE_POINT_BUDGET_S
         return bool(comm.agree_max(1.0 if loose and within else 0.0))
     return more
@@ -222,14 +223,9 @@ def precise_in_turn(comm, started: float, budget_s: float, batch: int):
     def more(times: list) -> list:
         if not comm.agree_max(1.0 if time.monotonic() - started < budget_s else 0.0):
             return []
-        flat = comm.max_each([t for each in times for t in each])
-        loose, at = [], 0
-        for i, each in enumerate(times):
-            slowest, at = flat[at:at + len(each)], at + len(each)
-            if len(slowest) < mb.COLLECTIVE_MIN_BATCHES * batch \
-                    or mb.relative_standard_error(slowest, batch) > mb.COLLECTIVE_PRECISION:
-                loose.append(i)
-        return loose
+        flat = comm.max_each([t for each in times for t in each])  # one call for every point's times
+        ends = list(itertools.accumulate(len(each) for each in times))
+        return [i for i, end in enumerate(ends) if not mb.mean_known(flat[end - len(times[i]):end], batch)]
     return more
 
 

@@ -461,6 +461,13 @@ def relative_standard_error(times: list, batch: int = 1) -> float:
     return statistics.stdev(means) / math.sqrt(len(means)) / mean if mean > 0 else math.inf
 
 
+def mean_known(times: list, batch: int) -> bool:
+    """Is the mean of these (slowest-rank) times known well enough to stop: at least
+    COLLECTIVE_MIN_BATCHES batches of `batch`, and a relative standard error over the batches'
+    means within COLLECTIVE_PRECISION?"""
+    return len(times) >= COLLECTIVE_MIN_BATCHES * batch and relative_standard_error(times, batch) <= COLLECTIVE_PRECISION
+
+
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
                 max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None,
                 min_number: int = 1, more=None):

@@ -191,7 +191,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
         return scatter + np.where(zero3, prefetched, -module) - gone
 
     holds_head = last & ~(model.tied_embeddings & (p == 1))  # tied in one stage: one module, reduced last
-    calls = [np.where(holds_head, at_reduce_scatter(word, layer_weights, head_gone - np.where(last, norm_input, 0)), 0),
+    calls = [np.where(holds_head, at_reduce_scatter(word, layer_weights, head_gone - norm_input), 0),
              np.where(layers > 0, at_reduce_scatter(layer_weights, layer_weights, head_gone + per_layer + rebuilt), 0),
              np.where(first, at_reduce_scatter(word, 0, head_gone + layers * per_layer + rebuilt), 0)]
     buffers = buffers + np.where(fsdp2, functools.reduce(np.maximum, calls, 0.0), 0)
