@@ -75,7 +75,7 @@ def test_a_ring_step_costs_what_the_calibration_measured_for_that_exchange():
     assert float(backward) == pytest.approx(measured[2 << 20], rel=0.1)
 
 
-def test_one_ring_step_moves_a_block_forward_and_block_plus_gradient_backward():
+def test_a_ring_step_moves_a_block_or_a_block_and_its_gradient():
     c = columns_of(Plan(tp=2, cp=4, sp=True, mbs=1))
     forward, backward = ring_step_times(FixedRing(), LONG, c)
     block = 2 * 2 * 1 * 8192 * 512
@@ -84,13 +84,17 @@ def test_one_ring_step_moves_a_block_forward_and_block_plus_gradient_backward():
 
 
 @pytest.mark.parametrize("core_forward_s, core_backward_s", [(4e-3, 8e-3), (4e-4, 8e-4), (0.0, 0.0)])
-def test_each_of_the_cp_minus_1_steps_waits_for_what_its_transfer_outlasts_its_block(core_forward_s, core_backward_s):
-    """Block j needs transfer j-1, issued when block j-1 began: (cp-1) max(0, x - core/cp) exposed."""
+def test_each_ring_step_waits_for_what_its_transfer_outlasts_its_block(core_forward_s, core_backward_s):
+    """Block j needs transfer j-1, issued when block j-1 began: (cp-1) max(0, x - core/cp) exposed
+    forward. Backward (Transformer Engine's schedule) has cp transfers, each beside its step's
+    blocks: a block first, a gradient last, a block and a gradient at the cp-2 steps between."""
     c = columns_of(Plan(tp=2, cp=4, sp=True, mbs=1))
     x_f = 2 * 2 * 8192 * 512 / 100e9 + 10e-6  # 0.34 ms
     forward, backward = ring_attention_times(FixedRing(), LONG, c, core_forward_s, core_backward_s)
     assert forward == pytest.approx(3 * max(0.0, x_f - core_forward_s / 4), abs=1e-15)
-    assert backward == pytest.approx(3 * max(0.0, 2 * x_f - 10e-6 - core_backward_s / 4), abs=1e-15)
+    x_b = 2 * x_f - 10e-6  # twice the bytes, one latency
+    ends, middle = 2 * max(0.0, x_f - core_backward_s / 4), 2 * max(0.0, x_b - core_backward_s / 4)
+    assert backward == pytest.approx(ends + middle, abs=1e-15)
     assert float(ring_exposure(1.0, 0.25, 3)) == 2.25 and float(ring_exposure(0.1, 0.25, 3)) == 0.0
 
 
@@ -124,17 +128,21 @@ def test_flash_executes_half_of_the_ranks_square_as_the_causal_balance_gives_eac
     assert float(split.core_backward_s) == pytest.approx(float(whole.core_backward_s), rel=1e-12)
 
 
-def test_activation_memory_halves_at_cp_2_and_the_ring_adds_four_blocks():
+def test_activation_memory_halves_at_cp_2_and_the_ring_adds_its_blocks():
+    block = kv_block_bytes(LONG, 2, 2, 2)  # mbs 2, cp 2, tp 2, bf16
     plan = Plan(tp=2, sp=True, pp=2, dp=2, mbs=2, gbs=16, attention="flash", recompute="selective")
     one = memory_breakdown(LONG, H100, columns_of(plan), last_stage=True)
     two = memory_breakdown(LONG, H100, columns_of(plan.replace(cp=2)), last_stage=True)
-    assert float(two["activations"]) == pytest.approx(float(one["activations"]) / 2, rel=1e-12)
+    # selective recomputation reruns the ring: its saved block lives for one layer's backward
+    assert float(two["activations"]) == pytest.approx(float(one["activations"]) / 2 + block, rel=1e-12)
     for kind in ("weights", "gradients", "optimizer"):  # replicated over cp, not sharded (ZeRO 0)
         assert float(two[kind]) == float(one[kind])
     unfused = plan.replace(attention="unfused", recompute="none")  # the (s/cp) x s scores halve too
     one = memory_breakdown(LONG, H100, columns_of(unfused), last_stage=True)
     two = memory_breakdown(LONG, H100, columns_of(unfused.replace(cp=2)), last_stage=True)
-    assert float(two["activations"]) == pytest.approx(float(one["activations"]) / 2, rel=1e-12)
+    # without it every layer keeps the block its forward held last (1F1B's last stage: one micro-batch)
+    layers = LONG.layers // 2
+    assert float(two["activations"]) == pytest.approx(float(one["activations"]) / 2 + layers * block, rel=1e-12)
     # buffers before the allocator's share: halved pipeline, SP and logits buffers, plus 4 blocks
     fw = H100.framework
 

@@ -15,13 +15,18 @@ calls, device-generic: gloo, nccl, xccl) passes the key/value blocks around the 
   as production ring attention calls flash-attention per block), else as explicit math (scores,
   softmax, two products). The blocks merge with the online softmax: a running output and
   log-sum-exp per query row (`_merge`), so the result is exactly softmax(QK^T/sqrt(d)) V.
-- backward: the key/value blocks go around again; each rank recomputes its blocks' scores from
-  Q, K and the saved log-sum-exp (no s x s tensor is kept, as in a flash kernel; the fused
-  kernel's backward given the merged output and log-sum-exp) and adds its
-  share of dK and dV to an accumulator that travels with the block and ends at its owner:
-  the first hop carries K and V, the middle hops K, V and the partial dK, dV, the last hop only
-  dK, dV home; 2 (cp - 1) blocks sent, twice the forward's bytes (what perfsim prices,
-  perfsim.cost.context_parallel).
+- backward (Transformer Engine's schedule, AttnFuncWithCPAndKVP2P): the blocks go around the
+  other way, starting from the one the forward held last (saved for it), so that a rank's own
+  block comes last. Each rank recomputes its blocks' scores from Q, K and the saved log-sum-exp
+  (no s x s tensor is kept, as in a flash kernel; the fused kernel's backward given the merged
+  output and log-sum-exp). The dK, dV of a block accumulate on the ranks it visits and travel one
+  step behind it: at step t a rank sends on the block it holds (t < cp - 1) and the accumulator of
+  the block it held at t - 1 (t >= 1), and receives the next block and the accumulator of the
+  block it holds now, to which it adds its share once its blocks are done. Every transfer runs
+  beside a step's blocks, none after the last: cp transfers, of K and V (the first), K, V and a
+  partial dK, dV (the middle ones), dK and dV (the last), 2 (cp - 1) blocks in all, twice the
+  forward's bytes (what perfsim prices, perfsim.cost.context_parallel). The one extra tensor it
+  keeps is the forward's last block, saved per layer, as Transformer Engine saves it.
 
 Why not torch.distributed.tensor.experimental.context_parallel (present in torch 2.13): it is
 experimental, works on DTensors over a DeviceMesh by patching scaled_dot_product_attention's
@@ -136,16 +141,17 @@ class _Ring:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
-    def chunks_of(self, step: int) -> tuple:
-        """The chunk indices of the key/value block held at `step` (it came from rank i - step)."""
-        return load_balanced_chunks(self.size, (self.rank - step) % self.size)
-
-    def start(self, send, receive, tag: int) -> list:
-        """Send `send` to the next rank and receive `receive` from the previous one, without waiting.
-        One batch: NCCL would deadlock on a send and a receive issued apart between two ranks
-        that both send first (cp = 2)."""
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
-                                       dist.P2POp(dist.irecv, receive, group=self.group, group_peer=self.prev, tag=tag)])
+    def start(self, messages, backward: bool = False) -> list:
+        """Send each (tensor, receive buffer, tag) of `messages` on around the ring and receive its
+        buffer from the other side, without waiting: forward to the next rank, from the previous
+        one; `backward` the other way. One batch: NCCL would deadlock on a send and a receive issued
+        apart between two ranks that both send first (cp = 2)."""
+        to, source = (self.prev, self.next) if backward else (self.next, self.prev)
+        ops = []
+        for send, receive, tag in messages:
+            ops += [dist.P2POp(dist.isend, send, group=self.group, group_peer=to, tag=tag),
+                    dist.P2POp(dist.irecv, receive, group=self.group, group_peer=source, tag=tag)]
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(requests) -> None:
@@ -153,10 +159,11 @@ def _wait(requests) -> None:
         r.wait()
 
 
-def _pairs(ring, step):
-    """(query chunk slot, key chunk slot, causal) of the blocks computed at `step`, and the skipped
-    (query slot, key slot) pairs: slot 0 and 1 are a rank's first and second chunk."""
-    mine, held = load_balanced_chunks(ring.size, ring.rank), ring.chunks_of(step)
+def _pairs(ring, owner):
+    """(query chunk slot, key chunk slot, causal) of the blocks computed against the key/value
+    block of rank `owner`, and the skipped (query slot, key slot) pairs: slot 0 and 1 are a rank's
+    first and second chunk."""
+    mine, held = load_balanced_chunks(ring.size, ring.rank), load_balanced_chunks(ring.size, owner)
     run, skip = [], []
     for qi, qc in enumerate(mine):
         for ki, kc in enumerate(held):
@@ -186,9 +193,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             last = step == ring.size - 1
             incoming = torch.empty_like(kv) if not last else None
-            pending = ring.start(kv, incoming, KV_TAG) if not last else []
+            pending = ring.start([(kv, incoming, KV_TAG)] if not last else [])
             k_chunks, v_chunks = _halves(kv[0]), _halves(kv[1])
-            run, skip = _pairs(ring, step)
+            run, skip = _pairs(ring, (ring.rank - step) % ring.size)
             for qi, ki, causal in run:
                 if kernels:
                     block_out, block_lse = kernels[0](q_chunks[qi], k_chunks[ki], v_chunks[ki], causal)
@@ -201,18 +208,20 @@ class RingAttention(torch.autograd.Function):
             for qi, ki in skip:
                 _note_skipped("forward", q_chunks[qi], k_chunks[ki], FORWARD_PRODUCTS)
             _wait(pending)
+            if last:
+                held_last = kv  # rank i + 1's block: where the backward's ring starts
             kv = incoming
         # laid out [b, s, heads, d] in memory, as a fused kernel's output: the projection's input
         # [b, s, heads x d] is then a view of it, not a copy
         context = torch.cat(out, dim=-2).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat(lse, dim=-1)
-        ctx.save_for_backward(q, k, v, context, lse)
+        ctx.save_for_backward(q, held_last, context, lse)
         ctx.group, ctx.kernels = group, kernels
         return context
 
     @staticmethod
     def backward(ctx, grad_context):
-        q, k, v, context, lse = ctx.saved_tensors
+        q, kv, context, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         grad_context = grad_context.contiguous()
         # D = rowsum(dO * O): the softmax backward's correction term, per query row
@@ -221,17 +230,19 @@ class RingAttention(torch.autograd.Function):
         lse_chunks, delta_chunks = _halves(lse.unsqueeze(-1)), _halves(delta.unsqueeze(-1))
         out_chunks, lse_rows = _halves(context), [x.contiguous() for x in lse.chunk(2, dim=-1)]
         dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
-        kv = torch.stack([k, v])
-        own = partial = None  # this rank's share of its own block's dK, dV; the travelling one received
+        scale = 1 / math.sqrt(q.shape[-1])
+        done = None  # dK, dV of the block held at the previous step, accumulated so far
         for step in range(ring.size):
             last = step == ring.size - 1
             incoming = torch.empty_like(kv) if not last else None
-            pending = ring.start(kv, incoming, KV_TAG) if not last else []
+            arriving = torch.empty_like(kv) if step > 0 else None  # the held block's dK, dV so far
+            messages = ([(kv, incoming, KV_TAG)] if not last else []) + (
+                [(done.to(kv.dtype), arriving, DKV_TAG)] if step > 0 else [])
+            pending = ring.start(messages, backward=True)
             k_chunks, v_chunks = _halves(kv[0]), _halves(kv[1])
             grads = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             dk_chunks, dv_chunks = _halves(grads[0]), _halves(grads[1])
-            run, skip = _pairs(ring, step)
-            scale = 1 / math.sqrt(q.shape[-1])
+            run, skip = _pairs(ring, (ring.rank + 1 + step) % ring.size)
             for qi, ki, causal in run:
                 if ctx.kernels:  # the block's share of the gradients, from the merged output and log-sum-exp
                     dq_b, dk_b, dv_b = ctx.kernels[1](do_chunks[qi], q_chunks[qi], k_chunks[ki], v_chunks[ki],
@@ -249,20 +260,10 @@ class RingAttention(torch.autograd.Function):
                 dk_chunks[ki].add_(torch.matmul(dscores.transpose(-2, -1), q_chunks[qi]).float(), alpha=scale)
             for qi, ki in skip:
                 _note_skipped("backward", q_chunks[qi], k_chunks[ki], BACKWARD_PRODUCTS)
-            if step == 0:
-                own = grads
-            else:
-                # the held block's dK, dV so far (from the ranks it visited since its owner) plus
-                # this rank's share, on to the next rank: after the last step that is the owner;
-                # and the next block's from the previous rank (after the last step, our own)
-                dkv = (grads if partial is None else partial.float() + grads).to(kv.dtype)
-                partial = torch.empty_like(dkv)
-                _wait(ring.start(dkv, partial, DKV_TAG))
             _wait(pending)
+            done = grads if step == 0 else grads.add_(arriving.float())
             kv = incoming
-        if partial is not None:
-            own = own + partial.float()
-        dkv = own.to(k.dtype)
+        dkv = done.to(q.dtype)  # after the last step: this rank's own block, every rank's share in it
         return torch.cat(dq, dim=-2).to(q.dtype), dkv[0], dkv[1], None, None
 
 

@@ -32,7 +32,7 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
 from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.cost.layer import BF16, FP32
-from perfsim.cost.memory import layout_activation_bytes, memory_breakdown, stage_params
+from perfsim.cost.memory import layout_activation_bytes, memory_breakdown, ring_saved_bytes, stage_params
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system
@@ -113,10 +113,11 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     # a context-parallel rank holds s/cp tokens of each sequence: mbs/cp sequences' worth
     b, t = plan.mbs / getattr(plan, "cp", 1), plan.tp
     tokens = b * model.seq
-    layer = float(layout_activation_bytes(model, layout, b, c.recompute, c.flash))
+    layer = float(layout_activation_bytes(model, layout, b, c.recompute, c.flash) + ring_saved_bytes(model, c))
     # any profile: activation bytes do not depend on the machine
     activations = float(memory_breakdown(model, load_system("cpu-example"), c, last_stage=True)["activations"])
     working = float(layout_activation_bytes(model, layout, b, 0, c.flash)) if plan.recompute == "full" else 0.0
+    working += float(ring_saved_bytes(model, c, kept=False))  # the ring's block, rebuilt by recomputation
     edge = activations - model.layers * layer - working
     gathered = 2 * BF16 * tokens * model.hidden * (1 - 1 / t) if plan.sp and plan.recompute != "full" else 0.0
     return {"layer": layer, "layers": model.layers * layer, "edge": edge, "working_set": working,

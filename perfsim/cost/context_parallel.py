@@ -6,8 +6,10 @@ tokens and an equal 1/cp of the causal attention work. The linears, norms and el
 run on the rank's tokens alone; attention needs every earlier key and value, so the ranks pass
 their key/value blocks around a ring of cp: per layer, forward, cp-1 steps each sending a block of
 (s/cp) tokens x (kv heads / tp) x head_dim, keys and values, in bf16 (GQA sends only the key/value
-heads), while the rank computes attention with the block it already has; backward passes the
-blocks again together with their gradients (twice the bytes) beside the backward of each block.
+heads), while the rank computes attention with the block it already has; backward (Transformer
+Engine's schedule) passes the blocks again and their gradients one step behind them: cp transfers,
+the first a block, the middle ones a block and a gradient, the last a gradient, each beside a
+step's blocks (twice the forward's bytes).
 A step's transfer hides behind its block of attention; what it outlasts it by is exposed
 (`overlap.ring_exposure`). The cp groups sit right after tp in the rank order (spec.plan.ranks_order).
 """
@@ -28,24 +30,26 @@ def kv_block_bytes(model: ModelSpec, mbs, cp, tp, element=BF16):
 
 
 def ring_step_times(comm, model: ModelSpec, c) -> tuple:
-    """(forward, backward) seconds of one ring step: every rank sends its block to the next rank
-    of its cp group and receives one from the previous, all groups at once, priced as the
+    """(one block, two blocks) seconds of a ring step's transfer: every rank sends to its
+    neighbour in its cp group and receives from the other, all groups at once, priced as the
     point-to-point exchange it is (CommModel.send, as a pipeline's hops: the profile's send line
-    and, where it has one, its measured table); backward sends the block and its gradient."""
+    and, where it has one, its measured table); the backward's middle steps send a block and a
+    gradient."""
     block = kv_block_bytes(model, c.mbs, c.cp, c.tp, c.element)
     return comm.send(block, c.cp, c.strides["cp"]), comm.send(2 * block, c.cp, c.strides["cp"])
 
 
 def ring_attention_times(comm, model: ModelSpec, c, core_forward_s, core_backward_s, efficiency=1.0) -> tuple:
     """(forward, backward) exposed seconds of one layer's ring attention per micro-batch on one
-    device: cp-1 steps each way, each beside 1/cp of the attention core's forward (backward)
+    device: cp-1 transfers forward and cp backward, each beside 1/cp of the attention core's forward (backward)
     time (`core_forward_s`, `core_backward_s`: the rank's whole attention core, all blocks), each
     step hiding the `efficiency` share of the shorter of transfer and block (overlap.ring_exposure);
     0 without context parallelism."""
     if not np.any(np.asarray(c.cp) > 1):  # a batch without cp (the search's usual one) sends nothing
         return 0.0, 0.0
-    forward_step, backward_step = ring_step_times(comm, model, c)
-    steps = c.cp - 1
-    forward = ring_exposure(forward_step, core_forward_s / c.cp, steps, efficiency)
-    backward = ring_exposure(backward_step, core_backward_s / c.cp, steps, efficiency)
+    one, two = ring_step_times(comm, model, c)
+    forward = ring_exposure(one, core_forward_s / c.cp, c.cp - 1, efficiency)
+    # backward: the first step's block and the last step's gradient alone, a block and a gradient between
+    block = core_backward_s / c.cp
+    backward = ring_exposure(one, block, 2, efficiency) + ring_exposure(two, block, np.maximum(c.cp - 2, 0), efficiency)
     return np.where(c.cp > 1, forward, 0.0), np.where(c.cp > 1, backward, 0.0)

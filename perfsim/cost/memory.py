@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from perfsim.cost import counts, fp8
-from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
@@ -143,7 +143,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
     layout = layout_of(model, c)
-    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash, e)
+    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash, e) + ring_saved_bytes(model, c, e)
     layers = stage_layer_count(model, c, stage)
     in_flight = microbatches_in_flight(c, last_stage)
     if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
@@ -152,6 +152,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
     rebuilt = np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash, e), 0)
+    rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
     activations = activations + rebuilt
     first = (p == 1) | (not last_stage and not second)
     last = (p == 1) | last_stage
@@ -200,6 +201,15 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     total = weights + grads + optimizer + activations + buffers
     return {"weights": weights, "gradients": grads, "optimizer": optimizer,
             "activations": activations, "buffers": buffers, "total": total}
+
+
+def ring_saved_bytes(model: ModelSpec, c: Columns, element=BF16, kept=True):
+    """The key/value block a layer's ring attention (cp > 1) keeps for backward: the one its
+    forward held last, where the backward's ring starts (Transformer Engine's schedule,
+    docs/equations.md 11.6). Kept from the forward without recomputation; with it (`kept` False)
+    the recomputed forward holds it for its layer's backward alone."""
+    saved = kv_block_bytes(model, c.mbs, c.cp, c.tp, element)
+    return np.where((c.cp > 1) & ((c.recompute == NONE) == kept), saved, 0.0)
 
 
 def ring_attention_buffer_bytes(model: ModelSpec, c: Columns):
