@@ -23,7 +23,6 @@ Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-ra
 from __future__ import annotations
 
 import copy
-import sys
 
 from perfsim.cost.layer import BF16, FP32
 from perfsim.spec.model import load_model
@@ -150,4 +149,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from validate.ranks import leave
+
+    leave(main())

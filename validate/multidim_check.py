@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections import defaultdict
 
 from perfsim.cost import tensor_parallel as tpc
@@ -244,4 +243,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from validate.ranks import leave
+
+    leave(main())

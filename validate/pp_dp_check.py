@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
@@ -323,4 +322,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from validate.ranks import leave
+
+    leave(main())

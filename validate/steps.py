@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     die_with_launcher()
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
-    from validate.ranks import rank_environment
+    from validate.ranks import leave, rank_environment
 
     p = argparse.ArgumentParser(prog="python -m validate.steps", description=__doc__.splitlines()[0])
     p.add_argument("out", help="file rank 0 writes: a line of JSON per plan, each as soon as it is measured")
@@ -251,12 +251,7 @@ def main(argv=None) -> int:
                 out.flush()
         measure(jobs, load_model(args.model) if args.model else None, args.device, args.dtype, args.steps, args.warmup,
                 args.timeout, args.threads, args.speed_tolerance, args.retake_until, args.budget, write)
-    # Leave without the interpreter's teardown: a C++ thread of torch's runtime that is still
-    # joinable at exit aborts the process now and then ("terminate called without an active
-    # exception") after all the work is done and written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # without the interpreter's teardown (validate.ranks.leave)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
@@ -326,4 +325,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from validate.ranks import leave
+
+    leave(main())

@@ -202,6 +202,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
+    from validate.ranks import leave
 
-    sys.exit(main())
+    leave(main())
