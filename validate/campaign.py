@@ -239,7 +239,10 @@ def measure_in_turn(torch, device, comm, points: list, options: Options) -> list
 
     comm.barrier()
     try:
-        first = [comm.agree_max(_timed(device, comm.make(point))) for point in points]
+        first = []
+        for point in points:  # one call each, which also warms it up
+            device.sync()
+            first.append(comm.agree_max(mb.call_seconds(device.timer(), comm.make(point))))
         turn = [point for point, seconds in zip(points, first) if seconds <= mb.LONG_CALL_S]
         more = (lambda times: []) if options.quick else \
             precise_in_turn(comm, time.monotonic(), len(turn) * mb.COLLECTIVE_POINT_BUDGET_S, options.repeats)
@@ -252,15 +255,6 @@ def measure_in_turn(torch, device, comm, points: list, options: Options) -> list
     measured = dict(zip(turn, times))
     return [{"stats": mb.Stats(comm.max_each(measured[point])).as_dict(1), "nbytes": comm.nbytes(point),
              "timed_in_turn_with": len(turn)} if point in measured else None for point in points]
-
-
-def _timed(device, fn) -> float:
-    """Seconds of one call of `fn` (a first, untimed-as-a-result call: it also warms up)."""
-    timer = device.timer()
-    device.sync()
-    timer.start()
-    fn()
-    return max(timer.stop(), 1e-9)
 
 
 def measure(torch, device, comm, point, options: Options, references=None) -> dict:

@@ -468,6 +468,14 @@ def mean_known(times: list, batch: int) -> bool:
     return len(times) >= COLLECTIVE_MIN_BATCHES * batch and relative_standard_error(times, batch) <= COLLECTIVE_PRECISION
 
 
+def call_seconds(timer, fn) -> float:
+    """Seconds of one call of `fn` on `timer` (device.timer()), floored at 1e-9: a coarse clock
+    may read 0."""
+    timer.start()
+    fn()
+    return max(timer.stop(), 1e-9)
+
+
 def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=None, before=None,
                 max_number: int = 1000, budget_s: float = 0.05, max_repeats_factor: int = 4, cpu_clock=None,
                 min_number: int = 1, more=None):
@@ -486,9 +494,7 @@ def repetitions(device, fn, warmup: int, repeats: int, min_time_s: float, agree=
         device.sync()
         if before:
             before()
-        timer.start()
-        fn()
-        seconds = max(timer.stop(), 1e-9)
+        seconds = call_seconds(timer, fn)
         return max(agree(seconds), 1e-9) if agree else seconds
 
     first = timed_call()  # the first warm-up call, timed: a long call needs no other
@@ -731,9 +737,7 @@ class Communicator:
 
         def timed(fn) -> float:
             self.compute_burst()
-            timer.start()
-            fn()
-            return max(self.agree_max(max(timer.stop(), 1e-9)), 1e-9)
+            return max(self.agree_max(call_seconds(timer, fn)), 1e-9)
 
         for _ in range(warmup):
             alone()
@@ -771,9 +775,7 @@ class Communicator:
             for _ in range(rounds):
                 for i in visiting:
                     self.compute_burst()
-                    timer.start()
-                    fns[i]()
-                    times[i].append(max(timer.stop(), 1e-9))
+                    times[i].append(call_seconds(timer, fns[i]))
             visiting = more(times)
         return times
 
