@@ -30,6 +30,9 @@ ELAPSED_MS = re.compile(r"elapsed time per iteration \(ms\):\s*" + _VALUE)
 TFLOPS = re.compile(r"\bTFLOPs:\s*" + _VALUE)
 GLOBAL_BATCH = re.compile(r"\bglobal batch size:\s*" + _VALUE)
 LONGEST_STEP_MS = 86_400e3  # a day
+# a microsecond: Megatron prints the step in ms with one decimal, and a positive value far below
+# this (5e-324) would underflow to a 0 s step once converted
+SHORTEST_STEP_MS = 1e-3
 HIGHEST_TFLOPS = 1e5  # per device
 LARGEST_BATCH = 2**40
 
@@ -52,17 +55,18 @@ class LogSummary:
         return statistics.median(self.tflops) if self.tflops else None
 
 
-def _number(match, line_no: int, where: str, what: str, high: float, zero_ok: bool = False, whole: bool = False):
-    """The number a pattern found on a line, checked to be positive (or zero) and at most `high`."""
+def _number(match, line_no: int, where: str, what: str, high: float, zero_ok: bool = False, whole: bool = False,
+            low: float = 0.0):
+    """The number a pattern found on a line, checked to be above `low` (or zero) and at most `high`."""
     text = match.group(1)
     try:
         value = int(text) if whole else float(text)
     except ValueError:
         value = None
-    if value is None or not (0 < value or zero_ok and value == 0) or not value <= high:  # NaN and inf fail too
+    if value is None or not (low < value or zero_ok and value == 0) or not value <= high:  # NaN and inf fail too
         kind = "whole number" if whole else "number"
         raise PerfsimError(f"{where} line {line_no}: {what} {text!r} is not a {kind} "
-                           f"{'from 0' if zero_ok else 'above 0'} to {high:,.0f}")
+                           f"{'from 0' if zero_ok else f'above {low:g}'} to {high:,.0f}")
     return value
 
 
@@ -75,7 +79,8 @@ def parse_lines(lines, where: str = "log") -> LogSummary:
         it = ITERATION.search(line)
         tflops, batch = TFLOPS.search(line), GLOBAL_BATCH.search(line)
         rows.append((int(it.group(1)) if it else len(rows) + 1,
-                     _number(elapsed, line_no, where, "elapsed time per iteration (ms)", LONGEST_STEP_MS) / 1e3,
+                     _number(elapsed, line_no, where, "elapsed time per iteration (ms)", LONGEST_STEP_MS,
+                             low=SHORTEST_STEP_MS) / 1e3,
                      _number(tflops, line_no, where, "TFLOPs", HIGHEST_TFLOPS, zero_ok=True) if tflops else None,
                      _number(batch, line_no, where, "global batch size", LARGEST_BATCH, whole=True) if batch else None))
     if not rows:
