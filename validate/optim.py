@@ -50,7 +50,8 @@ class MasterAdam(torch.optim.Optimizer):
             state["master"] = local.to(torch.float32, copy=True)
             state["exp_avg"] = torch.zeros_like(state["master"])
             state["exp_avg_sq"] = torch.zeros_like(state["master"])
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            # on the master's device: fused AdamW on a GPU refuses a CPU step counter
+            state["step"] = torch.zeros((), dtype=torch.float32, device=state["master"].device)
         return state
 
     def init_states(self):
