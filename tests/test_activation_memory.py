@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from perfsim.cost.memory import layer_activation_bytes
+from perfsim.cost.memory import activation_bytes, layer_activation_bytes
 from perfsim.spec.model import ModelSpec, load_model
 
 NONE, SELECTIVE, FULL = 0, 1, 2  # perfsim.cost.columns: index into ("none", "selective", "full")
@@ -131,3 +131,22 @@ def test_allocated_bytes_inverts_the_reserved_runtime_and_the_allocator_slack():
         total = memory_breakdown(model, slack, c, True)["total"]
         assert float(allocated_bytes(total, slack.framework)) == pytest.approx(float(tensors), rel=1e-12)
         assert float(total - base.framework.reserved_memory_bytes) > float(tensors)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_unfused_grouped_query_attention_keeps_keys_and_values_expanded(t):
+    """Megatron's unfused core repeats each key/value head for its query heads (repeat_interleave)
+    before the score and context GEMMs, which keep the expanded K and V: without recomputation a
+    GQA layer keeps as much as the multi-head one. The fused kernel reads K and V unexpanded, and
+    selective recomputation keeps only the core's inputs: 2 x 2 s b (h - h_kv) / t bytes less."""
+    s, b, h, a = 1024, 2, 2048, 16
+    mha = dataclasses.replace(gpt(s, h, a), dropout=False)
+    gqa = dataclasses.replace(mha, kv_heads=4)
+    fewer = 2 * 2 * s * b * (h - gqa.kv_hidden) / t
+    for sp in (False, True):
+        assert float(layer_activation_bytes(gqa, b, t, sp, NONE)) == float(layer_activation_bytes(mha, b, t, sp, NONE))
+        assert float(layer_activation_bytes(gqa, b, t, sp, SELECTIVE)) == \
+            pytest.approx(float(layer_activation_bytes(mha, b, t, sp, SELECTIVE)) - fewer, rel=1e-12)
+        for rc in (NONE, SELECTIVE):
+            flash = [float(activation_bytes(m, b, t, np.where(sp, t, 1), rc, flash=1)) for m in (mha, gqa)]
+            assert flash[1] == pytest.approx(flash[0] - fewer, rel=1e-12)

@@ -46,8 +46,11 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     # norm inputs (2 x e sbh) and two dropout masks (1 byte each) in the norm region;
     # QKV and FC1 inputs (2 x e sbh) there too, but kept by the linears
     region = (2 * e + 2 * mask) * sbh / region_split + 2 * e * sbh / region_inputs
-    # Q and K for the scores, V for the context; the context is the projection's input
-    attention = (e * sbh + 2 * e * s * b * kv) / split + e * sbh / inputs
+    # Q and K for the scores, V for the context; the context is the projection's input. The unfused
+    # core keeps K and V expanded to every query head (Megatron's repeat_interleave for kv_heads <
+    # heads); the fused kernel, and selective recomputation (the core's inputs), keep kv_heads of them
+    kept_kv = np.where(flash, kv, np.where(recompute == SELECTIVE, kv, h))
+    attention = (e * sbh + 2 * e * s * b * kept_kv) / split + e * sbh / inputs
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
     mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + e * s * b * f / inputs
     scores = (e + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
