@@ -266,3 +266,18 @@ def test_last_stage_holds_its_share_of_the_final_norm(mode, tp, depth, shard):
         assert ends == pytest.approx(2 * h + _padded_vocab(tp) * h / tp, rel=1e-12)
     else:
         assert ends == pytest.approx((2 * h + _padded_vocab(tp) * h) / shard, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,tp,depth", [("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)])
+def test_an_rmsnorm_all_reduces_one_statistic_each_way(mode, tp, depth):
+    """A LayerNorm over a split hidden dimension all-reduces a token's sum and sum of squares
+    (and two sums of its gradient); an RMSNorm its sum of squares (and one sum of the gradient
+    times the normalised input): half the bytes, in the layer and in the final norm."""
+    rms = build_model("rms", dict(layers=8, hidden=1024, heads=16, seq=256, vocab=32000, norm="rmsnorm"), "test")
+    lay, plan = layout(mode, tp, mbs=4 * depth if mode != "3d" else 4, depth=depth)
+    for model, stats in ((MODEL, 2), (rms, 1)):
+        norm = tpc.norm_statistics(lay, model, plan.mbs * model.seq, 1)
+        assert norm.nbytes == stats * 4 * plan.mbs * model.seq * lay.axes[norm.axis][0] / tp
+        fwd, bwd = tpc.layer_collectives(lay, model, plan.mbs)
+        assert [x.nbytes for x in fwd + bwd if x.kind == "all_reduce" and x.axis == norm.axis and x.count == 2] \
+            == [norm.nbytes] * 2

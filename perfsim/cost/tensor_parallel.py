@@ -186,16 +186,18 @@ def layer_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tupl
         fwd, bwd = linear_collectives(layout, index, tokens, h_in, h_out, element)
         forward += fwd
         backward += bwd
-    stats = norm_statistics(layout, tokens, 2)  # two norms a layer
+    stats = norm_statistics(layout, model, tokens, 2)  # two norms a layer
     return forward + [stats], backward + [stats]
 
 
-def norm_statistics(layout: Layout, tokens, norms) -> Collective:
-    """The all-reduces of `norms` LayerNorms over the axis splitting the hidden dimension (2d, 2.5d,
-    3d), one direction: per token of the device's block, the fp32 sum and sum of squares forward,
-    the two sums of the gradient backward."""
+def norm_statistics(layout: Layout, model: ModelSpec, tokens, norms) -> Collective:
+    """The all-reduces of `norms` norms over the axis splitting the hidden dimension (2d, 2.5d,
+    3d), one direction, per token of the device's block, fp32: a LayerNorm's sum and sum of
+    squares forward and the two sums of its gradient backward; an RMSNorm's sum of squares
+    forward and one sum backward (the gradient times the normalised input)."""
     axis = _hidden_axis(layout)
-    return Collective(ALL_REDUCE, 2 * FP32 * tokens * layout.axes[axis][0] / layout.size, norms, axis)
+    stats = 2 if model.norm == "layernorm" else 1
+    return Collective(ALL_REDUCE, stats * FP32 * tokens * layout.axes[axis][0] / layout.size, norms, axis)
 
 
 def _boundary(activation_bytes, sp, count):
@@ -254,7 +256,7 @@ def head_collectives(layout: Layout, model: ModelSpec, b, vocab, element=BF16) -
                     Collective(REDUCE_SCATTER, activation, np.where(sp, 1, 0))]
         return forward, backward
     forward, backward = linear_collectives(layout, 0, tokens, model.hidden, vocab, element)
-    final_norm = norm_statistics(layout, tokens, 1)  # the final LayerNorm before the logits
+    final_norm = norm_statistics(layout, model, tokens, 1)  # the final norm before the logits
     forward, backward = [final_norm] + forward, [final_norm] + backward
     # the axis that splits the logits' vocabulary: the output block of a first linear lies along
     # `row` in 2d/2.5d and along `input` in 3d (section 4.1); its tokens are those of that block
