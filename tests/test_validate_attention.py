@@ -1,7 +1,9 @@
 """The validation GPT's fused attention (torch's scaled_dot_product_attention, perfsim's
 attention = "flash") against its unfused core, in one process (validate/attention_check.py;
 docs/real-steps.md, "Fused attention"): same loss and gradients, the FLOPs perfsim counts, no
-s x s tensor kept, and the saved bytes perfsim's flash formula gives."""
+s x s tensor kept, and the saved bytes perfsim's flash formula gives; for the GPT and for a
+Llama-shaped model (grouped-query attention: the unfused core keeps K and V expanded to the query
+heads, the fused kernel reads them unexpanded)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ pytest.importorskip("torch")
 from perfsim.spec.model import load_model  # noqa: E402
 from validate.attention_check import compare  # noqa: E402
 
-MODEL = load_model("layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false")
+MODELS = {"gpt": load_model("layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false"),
+          "llama": load_model("layers=2,hidden=64,heads=8,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+                              "learned_positions=false,tied_embeddings=false,dropout=false,seq=32,vocab=128")}
 MBS = 2
 # fp32: the fused kernel sums in another order (blocks, online softmax): measured 1e-8 on
 # gradients of ~0.07, the loss equal to the last bit
@@ -22,11 +26,12 @@ FP32_LOSS_RTOL, FP32_GRAD_ATOL = 1e-6, 1e-6
 BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-2, 3e-2
 
 
-@pytest.fixture(scope="module", params=[(rc, dt) for rc in ("none", "selective", "full") for dt in ("fp32", "bf16")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(m, rc, dt) for m in MODELS for rc in ("none", "selective", "full")
+                                        for dt in ("fp32", "bf16")],
+                ids=lambda p: f"{p[1]}-{p[2]}" if p[0] == "gpt" else f"{p[0]}-{p[1]}-{p[2]}")
 def result(request):
-    recompute, dtype = request.param
-    return compare(MODEL, MBS, recompute, dtype)
+    name, recompute, dtype = request.param
+    return dict(compare(MODELS[name], MBS, recompute, dtype), model=MODELS[name])
 
 
 def test_fused_step_equals_unfused_step(result):
@@ -47,45 +52,48 @@ def test_fused_step_runs_one_kernel_and_its_flops_are_perfsims(result):
     """The flash step runs no batched GEMM (the scores never leave the kernel); its counted FLOPs,
     the fused kernel at perfsim's count (forward 2, backward 5 products of 2 b a s^2 d), equal
     perfsim's hardware FLOPs for the plan, as the unfused step's counted products do for its plan."""
-    flash, unfused = result["flash"], result["unfused"]
+    flash, unfused, model = result["flash"], result["unfused"], result["model"]
     assert not any(op in flash["flops_by_op"] for op in ("aten.bmm", "aten.baddbmm"))
-    b, a, s, d = MBS, MODEL.heads, MODEL.seq, MODEL.hidden // MODEL.heads
+    b, a, s, d = MBS, model.heads, model.seq, model.head_dim
     product = 2 * b * a * s * s * d
     forwards = {"none": 1, "selective": 2, "full": 2}[result["recompute"]]  # recomputation repeats the kernel
-    assert flash["flops_by_op"]["fused_attention_forward"] == MODEL.layers * forwards * 2 * product
-    assert flash["flops_by_op"]["fused_attention_backward"] == MODEL.layers * 5 * product
+    assert flash["flops_by_op"]["fused_attention_forward"] == model.layers * forwards * 2 * product
+    assert flash["flops_by_op"]["fused_attention_backward"] == model.layers * 5 * product
     for step in (flash, unfused):
         assert step["flops"] == step["perfsim"]["flops"]
     # the only difference: the backward's recomputation of the scores, one product a layer
-    assert flash["flops"] - unfused["flops"] == MODEL.layers * product
+    assert flash["flops"] - unfused["flops"] == model.layers * product
 
 
 def test_fused_step_keeps_no_score_matrix(result):
     """Nothing of s x s per head is saved; what is saved, priced as perfsim prices it (the
     log-sum-exp at fp32), is perfsim's flash figure, layer by layer, except under selective
     recomputation, where the checkpoint also drops the log-sum-exp that perfsim keeps."""
-    flash, unfused = result["flash"], result["unfused"]
+    flash, unfused, model = result["flash"], result["unfused"], result["model"]
     def squares(step):
-        return [i for i in step["saved_items"] if i["shape"][-2:] == [MODEL.seq, MODEL.seq]]
+        return [i for i in step["saved_items"] if i["shape"][-2:] == [model.seq, model.seq]]
     assert squares(flash) == []
     if result["recompute"] == "none":  # the unfused core keeps its softmax output: the check can fail
-        assert len(squares(unfused)) == MODEL.layers
-    lse = 4 * MBS * MODEL.heads * MODEL.seq  # bytes a layer: one fp32 value per query row and head
+        assert len(squares(unfused)) == model.layers
+    lse = 4 * MBS * model.heads * model.seq  # bytes a layer: one fp32 value per query row and head
     for step in (flash, unfused):
         expected = step["perfsim"]["saved"]
         dropped = lse if step is flash and result["recompute"] == "selective" else 0
-        assert step["saved"]["by_kind"]["activation"] == expected["like"] - MODEL.layers * dropped
-        for i in range(MODEL.layers):
+        assert step["saved"]["by_kind"]["activation"] == expected["like"] - model.layers * dropped
+        for i in range(model.layers):
             assert step["saved"]["by_region"][f"layer{i}"]["activation"] == expected["layer_like"] - dropped
 
 
-def test_fused_step_peak_memory_is_lower_by_the_scores():
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_step_peak_memory_is_lower_by_the_scores(name):
     """The allocator's peak (the profiler's running total on CPU): the unfused fp32 step peaks
-    higher by what it saves more, the softmax outputs (b a s^2 fp32 a layer) less the fused
-    kernel's log-sum-exp (b a s fp32 a layer)."""
-    result = compare(MODEL, MBS, "none", "fp32")
-    b, a, s = MBS, MODEL.heads, MODEL.seq
-    kept_more = MODEL.layers * 4 * (b * a * s * s - b * a * s)
+    higher by what it saves more, the softmax outputs (b a s^2 fp32 a layer) and, with
+    grouped-query attention, K and V expanded to the query heads (2 b s (h - h_kv)), less the
+    fused kernel's log-sum-exp (b a s fp32 a layer)."""
+    model = MODELS[name]
+    result = compare(model, MBS, "none", "fp32")
+    b, a, s = MBS, model.heads, model.seq
+    kept_more = model.layers * 4 * (b * a * s * s - b * a * s + 2 * b * s * (model.hidden - model.kv_hidden))
     saved = result["unfused"]["saved"]["as_run"] - result["flash"]["saved"]["as_run"]
     assert saved == kept_more
     difference = result["unfused"]["peak_bytes"] - result["flash"]["peak_bytes"]

@@ -20,6 +20,11 @@ fused scaled_dot_product_attention (no s x s tensor kept; validate.instrument co
 as perfsim does).
 The head is untied from the embedding (`tied_embeddings=False` in the perfsim spec). No dropout.
 
+A Llama-shaped spec (RMSNorm, rotary positions, kv_heads < heads, a SwiGLU or squared-ReLU MLP of
+ffn columns, no biases; GPTConfig's architecture fields) builds the same model with
+validate.llama's layers in those places, under the same module and parameter names, so every
+parallelization here and in validate/ shards it alike; a GPT spec builds exactly the layers above.
+
 Recompute (torch.utils.checkpoint, non-reentrant): "selective" checkpoints the attention core
 (scores, softmax, context), "full" the whole transformer layer. Early stopping is off: torch
 would otherwise stop the recomputation once every saved tensor is rebuilt, skipping the last
@@ -75,7 +80,8 @@ def _checkpointed(fn, *args):
 
 def autocast_for(device_type: str, dtype):
     """The numerics of a bf16 step: on GPUs (cuda, xpu) bf16 parameters run under
-    torch.autocast(bf16), which keeps softmax, LayerNorm and the loss in fp32 as Megatron does;
+    torch.autocast(bf16), which keeps softmax, LayerNorm and the loss in fp32 as Megatron does
+    (Llama-shaped layers: validate.llama's module doc says which of their ops run in fp32);
     elsewhere (CPU) and in fp32 the ops run in the parameters' dtype."""
     if dtype == torch.bfloat16 and device_type in ("cuda", "xpu"):
         return torch.autocast(device_type, dtype=torch.bfloat16)
@@ -92,15 +98,32 @@ class GPTConfig:
     vocab: int  # already padded (perfsim's ModelSpec.padded_vocab(tp))
     recompute: str = "none"
     attention: str = "unfused"  # perfsim's plan.attention: "unfused" (Megatron's kernels) or "flash" (SDPA)
+    # The architecture, as perfsim's ModelSpec names it; the defaults are the GPT's. Anything else
+    # takes validate.llama's layers for that part.
+    ffn: int = 0  # 0: 4 x hidden
+    kv_heads: int = 0  # 0: heads (multi-head attention); fewer: grouped-query attention
+    activation: str = "gelu"  # or "swiglu", "squared-relu"
+    norm: str = "layernorm"  # or "rmsnorm"
+    bias: bool = True
+    rotary: bool = False  # rotary position embeddings instead of learned positions
 
     @classmethod
     def from_spec(cls, model, tp: int = 1, recompute: str = "none", attention: str = "unfused") -> "GPTConfig":
         """From a perfsim ModelSpec: the vocabulary padded as Megatron pads it for `tp` ranks."""
-        if model.gated_mlp or model.norm != "layernorm" or not model.bias or model.kv_head_count != model.heads:
-            raise ValueError("validate.gpt builds GPT layers only: LayerNorm, biases, GeLU MLP, multi-head attention")
-        if model.ffn_size != 4 * model.hidden:
-            raise ValueError("validate.gpt uses ffn = 4 x hidden")
-        return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute, attention)
+        if not model.learned_positions and model.head_dim % 2:
+            raise ValueError(f"rotary embeddings rotate pairs of the head dimension; head_dim {model.head_dim} is odd")
+        return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute, attention,
+                   model.ffn_size, model.kv_head_count, model.activation, model.norm, model.bias,
+                   not model.learned_positions)
+
+    def __post_init__(self):  # 0 is the GPT's: 4 x hidden, as many key/value heads as heads
+        object.__setattr__(self, "ffn", self.ffn or 4 * self.hidden)
+        object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
+
+    @property
+    def gpt_attention(self) -> bool:
+        """Multi-head attention with learned positions: validate.gpt.Attention (else validate.llama's)."""
+        return self.kv_heads == self.heads and not self.rotary
 
 
 _causal_bias = {}
@@ -147,8 +170,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.hidden // cfg.heads
         self.selective = cfg.recompute == "selective"
         self.core = ATTENTION_CORES[cfg.attention]
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x):
         qkv = self.qkv(x)  # [b, s, 3 h / P], whole heads: works sharded or not
@@ -162,23 +185,48 @@ class Attention(nn.Module):
         return self.proj(context.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
+def norm_layer(cfg: GPTConfig) -> nn.Module:
+    """LayerNorm (GPT), or validate.llama's RMSNorm."""
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.hidden)
+    from validate.llama import RMSNorm
+
+    return RMSNorm(cfg.hidden)
+
+
+def mlp_activation(name: str):
+    """GeLU (GPT), or validate.llama's SwiGLU or squared ReLU."""
+    if name == "gelu":
+        return F.gelu
+    from validate.llama import ACTIVATIONS
+
+    return ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden, 4 * cfg.hidden)
-        self.fc2 = nn.Linear(4 * cfg.hidden, cfg.hidden)
+        f = cfg.ffn
+        self.activation = mlp_activation(cfg.activation)
+        self.fc1 = nn.Linear(cfg.hidden, 2 * f if cfg.activation == "swiglu" else f, bias=cfg.bias)
+        self.fc2 = nn.Linear(f, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.activation(self.fc1(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.full = cfg.recompute == "full"
-        self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = norm_layer(cfg)
+        if cfg.gpt_attention:
+            self.attn = Attention(cfg)
+        else:
+            from validate.llama import GroupedAttention
+
+            self.attn = GroupedAttention(cfg)
+        self.ln2 = norm_layer(cfg)
         self.mlp = MLP(cfg)
 
     def _forward(self, x):
@@ -200,18 +248,32 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
+        if cfg.rotary:  # positions enter each layer's attention (validate.llama.Rotary)
+            self.register_parameter("pos", None)
+        else:
+            self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.ln_f = norm_layer(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.mesh = None
         self.sp = False
         self.positions = None  # under context parallelism: this rank's token positions (validate.context_parallel)
 
+    def set_positions(self, positions) -> None:
+        """Take the tokens at `positions` of each sequence (a context-parallel rank's own): the
+        learned embedding's rows, or the rotary angles of every layer."""
+        self.positions = positions
+        for block in self.blocks:
+            rotary = getattr(block.attn, "rotary", None)
+            if rotary is not None:
+                rotary.at(positions)
+
     def forward(self, tokens):
         x = self.embed(tokens)  # [b, s, h], or [b, s/P, h] with SP, or [b, s/cp, h] with CP
         s = x.shape[1]
-        if self.positions is not None:
+        if self.pos is None:
+            pass  # rotary: the attention adds the positions
+        elif self.positions is not None:
             x = x + self.pos[self.positions.to(x.device)]
         else:
             start = self.mesh.get_local_rank() * s if self.sp else 0
@@ -245,7 +307,7 @@ class GPT(nn.Module):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Replicate
 
-        pending = [(self.pos, self.pos.grad)] if self.pos.grad is not None else []
+        pending = [(self.pos, self.pos.grad)] if self.pos is not None and self.pos.grad is not None else []
         for p in self.parameters():
             g = p.grad
             if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
@@ -282,8 +344,9 @@ def parallelize(model: GPT, mesh, sp: bool) -> GPT:
 
     tp = mesh.size()
     cfg = model.cfg
-    if cfg.heads % tp or cfg.vocab % tp or (sp and cfg.seq % tp):
-        raise ValueError(f"heads ({cfg.heads}), vocab ({cfg.vocab}){' and seq' if sp else ''} must divide by tp={tp}")
+    if cfg.heads % tp or cfg.kv_heads % tp or cfg.ffn % tp or cfg.vocab % tp or (sp and cfg.seq % tp):
+        raise ValueError(f"heads ({cfg.heads}), kv_heads ({cfg.kv_heads}), ffn ({cfg.ffn}), vocab "
+                         f"({cfg.vocab}){' and seq' if sp else ''} must divide by tp={tp}")
     region = Shard(1) if sp else Replicate()
     for block in model.blocks:
         parallelize_module(block, mesh, layer_plan(sp))

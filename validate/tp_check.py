@@ -39,10 +39,24 @@ from perfsim.spec.system import load_system
 CASES = [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")]
 # bf16 parameters (Megatron's regime; on CPU without autocast): checked against the fp32 reference
 BF16_CASES = [(False, "selective"), (True, "full")]
+ATTENTION = ("unfused", "flash")  # "all" runs the unfused cases; a flash case runs when named
 
 
-def case_name(sp: bool, recompute: str, bf16: bool = False) -> str:
-    return f"1d{'+sp' if sp else ''}-{recompute}{'-bf16' if bf16 else ''}"
+def case_name(sp: bool, recompute: str, bf16: bool = False, attention: str = "unfused") -> str:
+    return f"1d{'+sp' if sp else ''}-{recompute}{'-bf16' if bf16 else ''}{'-flash' if attention == 'flash' else ''}"
+
+
+def named_cases(cases: str) -> list:
+    """(sp, recompute, bf16, attention) of each case `cases` names ("all": CASES and BF16_CASES,
+    unfused), in the order they run."""
+    every = [(sp, rc, bf16, att) for att in ATTENTION for bf16 in (False, True) for sp, rc in CASES]
+    if cases == "all":
+        return [c + (False, "unfused") for c in CASES] + [c + (True, "unfused") for c in BF16_CASES]
+    by_name = {case_name(*c): c for c in every}
+    unknown = [n for n in cases.split(",") if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown case {unknown[0]!r}; cases are named like {case_name(True, 'full', True, 'flash')}")
+    return [c for c in every if case_name(*c) in cases.split(",")]
 
 
 def gemm_flops(g) -> float:
@@ -72,6 +86,8 @@ def perfsim_step(model, plan: Plan) -> PerfsimStep:
     head = gemm_flops(tpc.head_gemm(layout, model, b, vocab))
     recompute = {"none": 0, "full": layer, "selective": sum(gemm_flops(g) for g in gemms if g.name in ATTENTION_CORE)}
     flops = 3 * (model.layers * layer + head) + model.layers * recompute[plan.recompute]
+    if plan.attention == "flash":  # the fused backward recomputes the scores (docs/equations.md 3.9)
+        flops += model.layers * sum(gemm_flops(g) for g in gemms if g.name == ATTENTION_CORE[0])
     from perfsim.cost.traffic import tp_collectives
 
     _, layer_colls, _ = tp_collectives(model, plan)
@@ -197,7 +213,10 @@ class SavedTensorCounter:
 
     @staticmethod
     def _local(t):
-        return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+        """A DTensor's shard on this rank, a functional collective's result (a wrapper) its tensor."""
+        from validate.instrument import _storage_of
+
+        return _storage_of(t)[0]
 
     def _key(self, t):
         st = self._local(t).untyped_storage()
@@ -244,12 +263,13 @@ class SavedTensorCounter:
         return False
 
 
-def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool = False) -> dict:
+def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool = False,
+             attention: str = "unfused") -> dict:
     from validate.gpt import GPT, GPTConfig, local_parameter_elements, parallelize
     from validate.instrument import CollectiveCounter, LocalFlopCounter
 
     tp = mesh.size()
-    cfg = GPTConfig.from_spec(model, tp, recompute)
+    cfg = GPTConfig.from_spec(model, tp, recompute, attention)
     torch.manual_seed(0)
     reference = GPT(cfg)
     parallel = parallelize(copy.deepcopy(reference).to(torch.bfloat16 if bf16 else torch.float32), mesh, sp)
@@ -282,7 +302,7 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool 
         grad_scale = max(grad_scale, float(ref_params[name].grad.abs().max()))
     loss_value = float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach().float())
 
-    plan = Plan(tp=tp, sp=sp, mbs=mbs, gbs=mbs, recompute=recompute)
+    plan = Plan(tp=tp, sp=sp, mbs=mbs, gbs=mbs, recompute=recompute, attention=attention)
     expected = perfsim_expected(model, plan)
     activation_bytes, other_bytes = counted_sent_bytes(collectives.records, mbs * model.seq, model.hidden)
     return {
@@ -293,8 +313,9 @@ def run_case(torch, mesh, model, sp: bool, recompute: str, mbs: int, bf16: bool 
                        "other_in_step": other_bytes, "gradient_sync": finish.by_kind(),
                        "as_asked_fp32": collectives.by_kind(), "gloo_wire_fp32": collectives.gloo_wire_by_kind()},
         "params": {"counted": local_parameter_elements(parallel), "perfsim": expected["params"]},
-        "saved_bytes": {"counted": price_saved(saved.items), "perfsim": perfsim_saved_bytes(model, plan),
-                        "items": saved.items},
+        # a fused kernel's log-sum-exp, [b, heads / t, s], is fp32 in every dtype (as perfsim prices it)
+        "saved_bytes": {"counted": price_saved(saved.items, [(mbs, model.heads // tp, model.seq)] * (attention == "flash")),
+                        "perfsim": perfsim_saved_bytes(model, plan), "items": saved.items},
     }
 
 
@@ -303,7 +324,7 @@ def main(argv=None) -> int:
 
     parser = check_parser("python -m validate.tp_check",
                           "layers=2,hidden=64,heads=4,seq=32,vocab=128,tied_embeddings=false,dropout=false",
-                          "comma list of 1d-none, 1d+sp-full, ... or all")
+                          "comma list of 1d-none, 1d+sp-full, 1d-selective-bf16-flash ... or all (the unfused ones)")
     parser.add_argument("--mbs", type=int, default=2)
     args = parser.parse_args(argv)
 
@@ -314,12 +335,10 @@ def main(argv=None) -> int:
         mesh = init_device_mesh("cpu", (ranks.world,), mesh_dim_names=("tp",))
         model = load_model(args.model)
         results = []
-        for sp, rc, bf16 in [c + (False,) for c in CASES] + [c + (True,) for c in BF16_CASES]:
-            name = case_name(sp, rc, bf16)
-            if args.cases != "all" and name not in args.cases.split(","):
-                continue
-            everyone = every_rank(run_case(torch, mesh, model, sp, rc, args.mbs, bf16))
-            results.append({"case": name, "sp": sp, "recompute": rc, "bf16": bf16, "ranks": everyone})
+        for sp, rc, bf16, attention in named_cases(args.cases):
+            everyone = every_rank(run_case(torch, mesh, model, sp, rc, args.mbs, bf16, attention))
+            results.append({"case": case_name(sp, rc, bf16, attention), "sp": sp, "recompute": rc, "bf16": bf16,
+                            "attention": attention, "ranks": everyone})
         write_on_rank0(ranks, args.out, model=args.model, mbs=args.mbs, cases=results)
     return 0
 
