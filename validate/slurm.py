@@ -230,7 +230,7 @@ def probes(plan: dict, model_spec: str, system_name: str, dtype: str) -> tuple:
     from validate.speed_probe import probe_expectations
 
     model, plan = load_model(model_spec), Plan(**plan)
-    system = timing.harness_system(load_system(system_name), dtype)
+    system = timing.harness_system(load_system(system_name), dtype, "xpu")
     probe, norm, reference = probe_expectations(system, dtype, model, plan)
     return probe, norm, PROBE_KIND[reference]
 
@@ -338,7 +338,7 @@ def record_result(measured: dict, plan: dict, model_spec: str, system_name: str,
 
     plan = Plan(**plan)
     key = timing.point_key(model_spec, plan, dtype, steps, warmup, "xpu", nproc)
-    system = timing.harness_system(load_system(system_name), dtype)
+    system = timing.harness_system(load_system(system_name), dtype, "xpu")
     with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}, check=timing.step_record_problem) as ledger:
         if ledger.done(key):
             return False

@@ -197,11 +197,11 @@ def merge_rounds(measured: list) -> dict:
                 rounds=len(measured), peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
 
 
-def harness_system(system, dtype: str):
-    """The profile as the harness trains: gradients in the parameters' dtype (validate.optim)."""
+def harness_system(system, dtype: str, device: str = "cpu"):
+    """The profile as the harness trains on a `device` kind (perfsim.calibrate.overheads.as_trained)."""
     from perfsim.calibrate.overheads import as_trained
 
-    return as_trained(system, dtype)
+    return as_trained(system, dtype, device)
 
 
 def predicted(model, system, plan, dtype: str) -> dict:
@@ -403,7 +403,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     model = load_model(model_spec)
-    system = harness_system(load_system(system_name), dtype)
+    system = harness_system(load_system(system_name), dtype, device)
     for plan in plans:
         problems = plan_problems(plan, model, nproc) + harness_problems(plan)
         if problems:

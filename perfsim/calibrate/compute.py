@@ -95,13 +95,23 @@ def _flash_shapes(records) -> list:
 
 
 def fit_flash(records, system, kind, ledger):
-    """device.flash_forward_efficiency and flash_backward_efficiency from the causal fused
-    attention kernel's measured times (validate.microbench, ops "flash", "flash_backward"): the
-    FLOPs it executes over its time less one launch, at the first measured dtype's peak; one
-    number per direction, the geometric mean over the fitted shapes (the measured tables carry how
-    it varies with shape). An efficiency above 1 (a peak fitted on GEMMs that the kernel beats)
-    is kept at 1, with a note: the tables then carry the difference."""
-    from perfsim.cost.layer import flash_curve_times
+    """device.flash_forward_efficiency, flash_backward_efficiency and flash_score_s from the causal
+    fused attention kernel's measured times (validate.microbench, ops "flash", "flash_backward"), at
+    the first measured dtype's peak, through perfsim.cost.layer.flash_curve_times:
+
+    - forward: time less one launch = executed FLOPs / (peak x e) + scores x flash_score_s, linear
+      in (1 / e, flash_score_s): non-negative least squares on the relative error, where the fitted
+      shapes hold two head dimensions or more (what tells the products' time from the softmax's);
+      otherwise flash_score_s is left out and e is the geometric mean of executed FLOPs / (peak x
+      (time - launch)) over the shapes;
+    - backward: its efficiency, with the softmax's time in the forward's proportion to the
+      products, the geometric mean over its shapes.
+
+    An efficiency above 1 (a peak fitted on GEMMs that the kernel beats) is kept at 1, with a note:
+    the measured tables then carry the difference."""
+    from scipy.optimize import nnls
+
+    from perfsim.cost.layer import CAUSAL_WORK, FLASH_BACKWARD, flash_curve_times
     from perfsim.cost.measured import FLASH_KERNELS
     from perfsim.predict import peak_flops
 
@@ -111,26 +121,50 @@ def fit_flash(records, system, kind, ledger):
     if primary is None:
         return values, quality, notes, system
     dev, peak = system.device, peak_flops(system, primary)
-    unit = dataclasses.replace(dev, flash_forward_efficiency=1.0, flash_backward_efficiency=1.0, kernel_overhead_s=0.0)
-    for direction, (op, key) in enumerate(zip(FLASH_KERNELS, ("flash_forward_efficiency", "flash_backward_efficiency"))):
+    where = f"shapes of ledger {ledger}, causal scaled_dot_product_attention, {primary}"
+    # seconds of the products at 100% of peak and executed scores, per fitted point
+    at_peak = lambda rows: 4 * CAUSAL_WORK * np.prod(_flash_shapes(rows), axis=0) / peak  # noqa: E731
+    scores = lambda rows: CAUSAL_WORK * np.prod(_flash_shapes(rows)[:3], axis=0)  # noqa: E731
+    # less one launch, but never below a tenth of the time: a launch overhead fitted above a tiny
+    # kernel's time would otherwise make its efficiency negative or unbounded
+    busy = lambda rows: np.maximum(measured_times(rows) - dev.kernel_overhead_s, 0.1 * measured_times(rows))  # noqa: E731
+    fitted_points = {}
+    for direction, op in enumerate(FLASH_KERNELS):
         fit, held = split_held_out([r for r in flash if r["dtype"] == primary], "attention", (op,))
         if not fit:
             continue
-        ideal = flash_curve_times(unit, peak, *_flash_shapes(fit))[direction]  # seconds at 100% of peak, no launch
-        # less one launch, but never below a tenth of the time: a launch overhead fitted above a tiny
-        # kernel's time would otherwise make its efficiency negative or unbounded
-        busy = np.maximum(measured_times(fit) - dev.kernel_overhead_s, 0.1 * measured_times(fit))
-        eff = float(np.exp(np.mean(np.log(ideal / busy))))
+        fitted_points[op] = len(fit)
+        if direction == 0:
+            score_s = None
+            if len(fit) >= 2 and len({r["shape"]["head_dim"] for r in fit}) >= 2:
+                t = busy(fit)
+                (inverse, score_s), _ = nnls(np.stack([at_peak(fit), scores(fit)], axis=1) / t[:, None], np.ones(len(fit)))
+                eff = 1.0 / inverse if inverse > 0 else 1.0
+                source = (f"with flash_score_s, non-negative least squares on the relative error over {len(fit)} {where}: "
+                          f"time - kernel_overhead_s = executed FLOPs / (peak x efficiency) + scores x flash_score_s")
+            else:
+                eff = float(np.exp(np.mean(np.log(at_peak(fit) / busy(fit)))))
+                source = f"geometric mean over {len(fit)} {where}: executed FLOPs / (peak x (time - kernel_overhead_s))"
+            key = "flash_forward_efficiency"
+        else:
+            softmax = (dev.flash_score_s or 0.0) * system.device.flash_forward_efficiency * scores(fit)
+            eff = float(np.exp(np.mean(np.log(FLASH_BACKWARD * (at_peak(fit) + softmax) / busy(fit)))))
+            source = (f"geometric mean over {len(fit)} {where}: {FLASH_BACKWARD:g} x (executed FLOPs / peak + the "
+                      f"forward's softmax share) / (time - kernel_overhead_s)")
+            key = "flash_backward_efficiency"
         if eff > 1.0:
             notes.append(f"flash attention {op} {primary} ran at {eff:.2f} x the fitted peak_flops_{primary}: "
                          f"{key} kept at 1, its measured table carries the rest")
             eff = 1.0
-        system = with_fields(system, device={key: eff})
+        fields = {key: eff} | ({"flash_score_s": float(score_s)} if direction == 0 and score_s is not None else {})
+        system = with_fields(system, device=fields)
+        dev = system.device
         curve = lambda rows: flash_curve_times(system.device, peak, *_flash_shapes(rows))[direction]  # noqa: E731
         quality.append(Quality(f"flash attention {op} {primary}", mape(curve(fit), measured_times(fit)), len(fit),
                                mape(curve(held), measured_times(held)) if held else float("nan"), len(held)))
-        values[f"device.{key}"] = Fitted(eff, f"geometric mean over {len(fit)} {primary} causal scaled_dot_product_attention "
-                                              f"shapes of ledger {ledger}: executed FLOPs / (peak x (time - kernel_overhead_s))")
+        values[f"device.{key}"] = Fitted(eff, source)
+        if direction == 0 and score_s is not None:
+            values["device.flash_score_s"] = Fitted(float(score_s), f"fitted with flash_forward_efficiency, {source}")
     return values, quality, notes, system
 
 

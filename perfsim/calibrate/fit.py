@@ -15,6 +15,7 @@ from perfsim.calibrate.common import (COLLECTIVE_TIMINGS, Calibration, Fitted, G
                                       TRAINING_DTYPE, statistic_key, with_values)
 from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
 from perfsim.calibrate.drift import steadied
+from perfsim.calibrate.host_bound import ASYNCHRONOUS_KINDS, device_times
 from perfsim.calibrate.memory import fit_memory
 from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
 from perfsim.calibrate.overlap import fit_overlap, is_concurrent
@@ -62,6 +63,13 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     values, quality, notes = {}, [], [f"times fitted: {what}"
                                       + (f"; CPU time of the rank for {cpu_clocked} compute points" if cpu_clocked else "")]
     notes.extend(drift_notes)
+    usable, host_notes = device_times(usable, kind)  # a GPU's kernels apart from the host's time per call
+    notes.extend(host_notes)
+    if kind in ASYNCHRONOUS_KINDS:
+        values["framework.host_overlap"] = Fitted(1.0, f"the ledger's {kind} device runs the kernels the host queues "
+                                                       f"asynchronously: the host's own time shows only where it "
+                                                       f"exceeds the kernels' (perfsim.cost.host)")
+        base = with_values(base, {"framework.host_overlap": values["framework.host_overlap"]})
     for reference, key in (("gemm", "device.speed_reference_gemm_s"), ("memory", "device.speed_reference_norm_s")):
         if reference in references:
             values[key] = Fitted(references[reference], f"median over ledger {ledger_name} of the {reference} reference "

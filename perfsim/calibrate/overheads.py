@@ -79,23 +79,46 @@ def overheads_ledger(ledger: str) -> str:
     return f"{stem}-overheads{ext or '.jsonl'}"
 
 
-def as_trained(system, dtype: str):
-    """The profile as the harness trains in `dtype`: gradients in the parameters' dtype (validate.optim)."""
+def master_adam_bytes(element: int) -> int:
+    """Bytes validate.optim.MasterAdam moves per parameter with `element`-byte parameters and
+    gradients: the gradient read and written as an fp32 copy (no copy when it is fp32 already),
+    that copy read by the fused AdamW with the fp32 master weight, momentum and variance (read and
+    written), then the master read and written to the parameter (docs/equations.md 6.3)."""
+    from perfsim.cost.layer import FP32
+    from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
+
+    cast = element + FP32 if element != FP32 else 0
+    return cast + FP32 + 2 * OPTIMIZER_BYTES_PER_PARAM + FP32 + element
+
+
+def as_trained(system, dtype: str, device_kind: str = "cpu"):
+    """The profile as the harness trains in `dtype` on a `device_kind` device: gradients in the
+    parameters' dtype, accumulated over micro-batches by autograd's in-place adds, updated by
+    validate.optim.MasterAdam and freed after the step (zero_grad(set_to_none=True)); on a GPU the host queueing kernels ahead of the device
+    (framework.host_overlap) and, in bf16, the step under torch.autocast (validate.gpt.autocast_for:
+    framework.autocast)."""
+    from perfsim.calibrate.host_bound import ASYNCHRONOUS_KINDS
     from perfsim.cost.columns import ELEMENT_BYTES
 
+    gpu = device_kind in ASYNCHRONOUS_KINDS
     element = ELEMENT_BYTES[dtype]
-    return dataclasses.replace(system, framework=dataclasses.replace(system.framework, grad_bytes_per_param=element))
+    framework = dataclasses.replace(system.framework, grad_bytes_per_param=element,
+                                    optimizer_bytes_per_param=float(master_adam_bytes(element)),
+                                    grad_accumulation_bytes_per_param=3.0 * element, grads_set_to_none=1.0,
+                                    host_overlap=float(gpu), autocast=float(gpu and dtype == "bf16"))
+    return dataclasses.replace(system, framework=framework)
 
 
 def _run(record) -> tuple:
-    """(model, plan, dtype, layers, micro-batches) of a step record."""
+    """(model, plan, dtype, layers, micro-batches, device kind) of a step record."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
 
     known = {f.name for f in dataclasses.fields(Plan)}
     plan = Plan(**{k: v for k, v in record["plan"].items() if k in known})
     model = load_model(record["model"])
-    return model, plan, record["dtype"], model.layers, plan.microbatches
+    device = record["measured"].get("device")
+    return model, plan, record["dtype"], model.layers, plan.microbatches, device.get("kind", "cpu") if isinstance(device, dict) else "cpu"
 
 
 def at_profile_speed(measured: dict, breakdown: dict) -> float:
@@ -123,27 +146,42 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
         return {}, [], []
     zero = dataclasses.replace(system, framework=dataclasses.replace(
         system.framework, step_overhead_s=0.0, microbatch_overhead_s=0.0, layer_overhead_s=0.0))
-    rows = []
+    rows, overlapped = [], []
     for r in step_records:
-        model, plan, dtype, layers, m = _run(r)
-        p0 = predict(model, as_trained(zero, dtype), plan, dtype)
+        model, plan, dtype, layers, m, kind = _run(r)
+        trained = as_trained(zero, dtype, kind)
+        p0 = predict(model, trained, plan, dtype)
         t = at_profile_speed(r["measured"], p0.time_breakdown_s)
-        rows.append((layers, m, t, p0.step_time_s, (layers, m) == OVERHEAD_RUNS[-1]))
+        rows.append((layers, m, t, p0.step_time_s, (layers, m) == OVERHEAD_RUNS[-1], (model, trained, plan, dtype)))
+        overlapped.append(trained.framework.host_overlap)
     fitted = [x for x in rows if not x[4]]
     if len(fitted) < 3:
         return {}, [], [f"overheads: {len(fitted)} step runs of the calibration model, 3 needed to fit the step, "
                         f"micro-batch and layer overheads; keys left as in the base profile"]
     design = lambda xs: np.array([[1.0, m, m * layers] for layers, m, *_ in xs])  # noqa: E731
-    gap = np.array([t - p0 for _, _, t, p0, _ in fitted])
+    # The host's time is the step less its kernels where the host runs them (a CPU rank); where it
+    # queues them for a GPU, the calibration model's kernels, a fraction of its host time by
+    # construction, run beside it, and the step is the host's time (cost/host.py).
+    hidden = max(overlapped)
+    gap = np.array([t - (1 - hidden) * p0 for _, _, t, p0, *_ in fitted])
     coefficients, _ = nnls(design(fitted), gap)
-    predicted = lambda xs: np.array([p0 for *_, p0, _ in xs]) + design(xs) @ coefficients  # noqa: E731
-    measured = lambda xs: np.array([t for _, _, t, _, _ in xs])  # noqa: E731
+
+    def predicted(xs):  # each run through the whole model with the fitted overheads
+        out = []
+        for *_, (model, trained, plan, dtype) in xs:
+            framework = dataclasses.replace(trained.framework, **{key.split(".")[1]: float(v)
+                                                                  for key, v in zip(OVERHEAD_KEYS, coefficients)})
+            out.append(predict(model, dataclasses.replace(trained, framework=framework), plan, dtype).step_time_s)
+        return np.array(out)
+
+    measured = lambda xs: np.array([x[2] for x in xs])  # noqa: E731
     held = [x for x in rows if x[4]]
-    kernels_alone = mape([p0 for *_, p0, _ in rows], measured(rows))
+    kernels_alone = mape([x[3] for x in rows], measured(rows))
     runs = ", ".join(f"{layers} layer{'s' * (layers > 1)} x {m} micro-batch{'es' * (m > 1)}" for layers, m, *_ in fitted)
     where = (f"{len(fitted)} runs of real training steps of the calibration model ({runs}; {CALIBRATION_MODEL.format(layers='L')}, "
              f"data parallelism over {int(_run(step_records[0])[1].dp)} ranks) in ledger {ledger}: measured step less the "
-             f"calibrated profile's prediction without overheads, non-negative least squares over "
+             f"calibrated profile's prediction without overheads{' (kernels beside the host: not subtracted)' if hidden else ''}, "
+             f"non-negative least squares over "
              f"[1, micro-batches, micro-batches x layers] (perfsim.calibrate.overheads)")
     values = {key: Fitted(float(v), where) for key, v in zip(OVERHEAD_KEYS, coefficients)}
     quality = [Quality("framework overheads (real steps of the calibration model)", mape(predicted(fitted), measured(fitted)),

@@ -101,6 +101,19 @@ def zero_microbatch_times(system: System, comm, c: Columns, params, units=1):
     return scatter, units * comm.all_gather(c.element * params / units, group, stride)
 
 
+def gradient_accumulation_time(system: System, c: Columns, params):
+    """Seconds per micro-batch, averaged over the step's m, of adding a micro-batch's gradients of
+    `params` parameters to those the earlier ones left (m - 1 passes of the framework's
+    grad_accumulation_bytes_per_param, docs/equations.md 6.4); FSDP2's ZeRO-2 and 3 accumulate
+    their shards themselves (fsdp2_copy_times)."""
+    nbytes = (system.framework.grad_accumulation_bytes_per_param or 0.0) * params
+    if not np.any(nbytes):
+        return 0.0
+    m = c.microbatches
+    each = memory_time(system.device, MemoryOp("gradient_accumulation", nbytes))
+    return np.where(is_fsdp2(system) & (c.zero >= 2) & (c.dp_cp > 1), 0.0, (m - 1) / m * each)
+
+
 def fsdp2_copy_times(system: System, c: Columns, params):
     """Seconds of FSDP2's copies through its communication buffers for `params` parameters (0 for
     DeepSpeed's ZeRO), as element-wise passes at the device's streaming bandwidth:
@@ -143,8 +156,11 @@ def optimizer_time(system: System, c: Columns, params):
     """Adam on the device's share of the parameters (sharded from ZeRO-1 on): memory-bound.
 
     Per parameter it reads the gradient twice (norm for clipping, then the update), reads and
-    writes fp32 master, momentum and variance, and writes the weight (c.element bytes)."""
+    writes fp32 master, momentum and variance, and writes the weight (c.element bytes); or moves
+    the framework's optimizer_bytes_per_param where the profile states them."""
     dev = system.device
+    fw = system.framework
     updated = params / np.where(c.zero >= 1, c.dp_cp, 1)
-    per_param = 2 * system.framework.grad_bytes_per_param + 2 * OPTIMIZER_BYTES_PER_PARAM + c.element
+    per_param = (2 * fw.grad_bytes_per_param + 2 * OPTIMIZER_BYTES_PER_PARAM + c.element
+                 if fw.optimizer_bytes_per_param is None else fw.optimizer_bytes_per_param)
     return updated * per_param / (dev.memory_bandwidth_Bps * dev.memory_efficiency) + 2 * dev.kernel_overhead_s

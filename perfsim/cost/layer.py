@@ -207,16 +207,33 @@ def _op(name: str, nbytes) -> MemoryOp:
     return MemoryOp(name, nbytes, OP_KINDS.get(name, ""))
 
 
-def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16) -> list[MemoryOp]:
-    """The element-wise ops of one layer, their tensors of `element` bytes (4 when training in fp32)."""
+def autocast_ops(name: str, elements, element=BF16) -> list[MemoryOp]:
+    """The two casts torch.autocast puts around an op it runs in fp32 (LayerNorm, softmax): its
+    `element`-byte input to an fp32 copy, and its fp32 output back to `element` bytes where the
+    next GEMM takes it; each reads one and writes the other (docs/equations.md 3.5)."""
+    nbytes = (element + FP32) * elements
+    return [MemoryOp(f"{name}_to_fp32", nbytes), MemoryOp(f"{name}_from_fp32", nbytes)]
+
+
+def _fp32_under_autocast(name: str, kind: str, elements, element, autocast) -> list[MemoryOp]:
+    """An element-wise op of `elements` elements as a step runs it: in `element`-byte tensors, or
+    under autocast in fp32 between its two casts."""
+    if not autocast:
+        return [_op(name, kind_bytes(kind, element) * elements)]
+    return [_op(name, kind_bytes(kind, FP32) * elements)] + autocast_ops(name, elements, element)
+
+
+def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16, autocast=0) -> list[MemoryOp]:
+    """The element-wise ops of one layer, their tensors of `element` bytes (4 when training in
+    fp32); with `autocast` (framework.autocast) the norms and the softmax run in fp32 between casts."""
     s, h, f, t, e = model.seq, model.hidden, model.ffn_size, split, element
     region = b * s * h / region_split  # elements of the norm/dropout/residual region
     scores = b * model.heads * s * s / t
     ops = [
-        _op("norm1", kind_bytes("layernorm", e) * region),
-        _op("softmax", kind_bytes("softmax", e) * scores),
+        *_fp32_under_autocast("norm1", "layernorm", region, e, autocast),
+        *_fp32_under_autocast("softmax", "softmax", scores, e, autocast),
         _op("residual1", kind_bytes("add", e) * region),
-        _op("norm2", kind_bytes("layernorm", e) * region),
+        *_fp32_under_autocast("norm2", "layernorm", region, e, autocast),
         # GeLU reads and writes the FC1 output; SwiGLU reads two halves and writes one (priced as
         # the gelu kind too).
         _op("activation", (3 * e if model.gated_mlp else kind_bytes("gelu", e)) * b * s * f / t),
@@ -231,7 +248,7 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16) -> 
     return ops
 
 
-CORE_MEMORY_OPS = ("softmax", "attn_dropout")
+CORE_MEMORY_OPS = ("softmax", "softmax_to_fp32", "softmax_from_fp32", "attn_dropout")
 
 
 def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tuple:
@@ -239,14 +256,20 @@ def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tupl
     of scores s x s x d (m = n = s, k = d) and the matching context product: the FLOPs the kernel
     executes (CAUSAL_WORK of the full square; FLASH_BACKWARD x as many backward) at the profile's
     flash efficiencies, or, where it names none, at the GEMM model's efficiency for the scores
-    shape; one kernel launch each way."""
-    executed = CAUSAL_WORK * 2 * 2.0 * count * m * n * k
+    shape; plus the softmax's own time per executed score (device.flash_score_s, where the profile
+    has it: the exponentials and rescaling run beside the tensor cores, not on them, so a kernel of
+    small head dimension reaches less of peak), the backward's in the same proportion to its
+    products as the forward's (docs/equations.md 3.9); one kernel launch each way."""
+    scores = CAUSAL_WORK * count * m * n
+    executed = 2 * 2.0 * scores * k
     # `is None`, not `or`: under draws of a profile's ranges these numbers are arrays
     forward_eff = device.flash_forward_efficiency
     forward_eff = gemm_efficiency(device, m, n, k) if forward_eff is None else forward_eff
     backward_eff = forward_eff if device.flash_backward_efficiency is None else device.flash_backward_efficiency
-    return (executed / (peak_flops * forward_eff) + device.kernel_overhead_s,
-            FLASH_BACKWARD * executed / (peak_flops * backward_eff) + device.kernel_overhead_s)
+    softmax = 0.0 if device.flash_score_s is None else device.flash_score_s * scores
+    return (executed / (peak_flops * forward_eff) + softmax + device.kernel_overhead_s,
+            FLASH_BACKWARD * (executed / (peak_flops * backward_eff) + softmax * forward_eff / backward_eff)
+            + device.kernel_overhead_s)
 
 
 def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tuple:
@@ -351,9 +374,10 @@ def embedding_work(model: ModelSpec, device: Device, b, region_split, element=BF
     return Work(time_s=time, backward_s=backward, curve_s=time + backward)
 
 
-def head_memory_ops(model: ModelSpec, b, split, region_split, vocab, element=BF16) -> list[MemoryOp]:
-    """Last stage around the logits GEMM: final norm, and the cross-entropy in fp32 (read the
-    `element`-byte logits, write an fp32 copy, two fp32 reductions, keep the fp32 softmax for backward)."""
+def head_memory_ops(model: ModelSpec, b, split, region_split, vocab, element=BF16, autocast=0) -> list[MemoryOp]:
+    """Last stage around the logits GEMM: final norm (in fp32 between casts under autocast), and the
+    cross-entropy in fp32 (read the `element`-byte logits, write an fp32 copy, two fp32
+    reductions, keep the fp32 softmax for backward)."""
     tokens = b * model.seq
-    return [_op("final_norm", kind_bytes("layernorm", element) * tokens * model.hidden / region_split),
+    return [*_fp32_under_autocast("final_norm", "layernorm", tokens * model.hidden / region_split, element, autocast),
             _op("cross_entropy", kind_bytes("cross_entropy", element) * tokens * vocab / split)]

@@ -25,7 +25,7 @@ OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and varianc
 
 
 def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
-                     gathered_weight_bytes=0.0, flash=0, element=BF16):
+                     gathered_weight_bytes=0.0, flash=0, element=BF16, autocast=0):
     """Bytes one layer keeps for backward per micro-batch on one device, tensor by tensor.
 
     `split` divides the tensors inside the tensor-parallel region, `region_split` the norm,
@@ -36,7 +36,9 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     recomputation, and 2sbh (2sbh/t with SP) with full recomputation. With `flash` attention no
     s x s tensor is kept: the fused kernel keeps one fp32 log-sum-exp per query row and head
     instead (4as b/t bytes), and selective recomputation has nothing left to drop. Tensors are of
-    `element` bytes (2 in bf16, the counts above; 4 when training in fp32), masks of 1.
+    `element` bytes (2 in bf16, the counts above; 4 when training in fp32), masks of 1. Under
+    `autocast` (framework.autocast) a norm keeps the fp32 copy of its input it ran on, and the
+    softmax its fp32 output beside the `element`-byte copy the context GEMM keeps (docs/equations.md 7.2).
     """
     s, h, a, f, kv, e = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden, element
     sbh = s * b * h
@@ -45,7 +47,8 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     inputs = split if linear_input_split is None else linear_input_split
     # norm inputs (2 x e sbh) and two dropout masks (1 byte each) in the norm region;
     # QKV and FC1 inputs (2 x e sbh) there too, but kept by the linears
-    region = (2 * e + 2 * mask) * sbh / region_split + 2 * e * sbh / region_inputs
+    norm = FP32 if autocast else e  # what a norm keeps of its input
+    region = (2 * norm + 2 * mask) * sbh / region_split + 2 * e * sbh / region_inputs
     # Q and K for the scores, V for the context; the context is the projection's input. The unfused
     # core keeps K and V expanded to every query head (Megatron's repeat_interleave for kv_heads <
     # heads); the fused kernel, and selective recomputation (the core's inputs), keep kv_heads of them
@@ -53,7 +56,8 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     attention = (e * sbh + 2 * e * s * b * kept_kv) / split + e * sbh / inputs
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
     mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + e * s * b * f / inputs
-    scores = (e + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
+    probabilities = FP32 + e if autocast else e  # the softmax's output (and under autocast its cast copy)
+    scores = (probabilities + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
     scores = np.where(recompute == SELECTIVE, 0, scores)
     scores = np.where(flash, FP32 * a * s * b / split, scores)
     kept = region + attention + mlp + gathered_weight_bytes + scores
@@ -65,18 +69,20 @@ def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
     return activation_bytes(model, b, t, np.where(sp, t, 1), recompute)
 
 
-def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, element=BF16):
+def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, element=BF16, autocast=0):
     """Any tensor-parallel mode. 3d keeps X gathered over one axis ([b/q, h_in/q]) and W gathered
     ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
     if layout.mode != "3d":
-        return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash, element=element)
+        return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash, element=element,
+                                autocast=autocast)
     keep = np.where((layout.regather > 0) | (layout.q == 1), 0, 1)  # one device gathers nothing
     linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
     weights = keep * element * linear_weights / layout.q**2
     inputs = np.where(keep, layout.q**2, layout.size)
-    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash, element)
+    kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash, element,
+                            autocast)
     return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute,
-                                                        element=element), kept)
+                                                        element=element, autocast=autocast), kept)
 
 
 def microbatches_in_flight(c: Columns, last_stage: bool):
@@ -143,10 +149,16 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     weights = weights + np.where(fsdp2 & (c.zero == 2), e * params / dp, 0)
     weights = weights + fp8.weight_copy_bytes(model, c, stage_layer_count(model, c, stage))  # FP8 copies, scaling state
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
+    # Gradients freed after every step (zero_grad(set_to_none=True)) and no buffer of their own (no
+    # data parallelism, DDP's buckets): with one micro-batch, not yet allocated when the backward
+    # starts, the peak (7.4)
+    grads = np.where(bool(fw.grads_set_to_none) & (c.microbatches == 1) & (p == 1) & (dp == 1), 0.0, grads)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
 
     layout = layout_of(model, c)
-    per_layer = layout_activation_bytes(model, layout, b, c.recompute, c.flash, e) + ring_saved_bytes(model, c, e)
+    autocast = fw.autocast
+    per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast)
+                 + ring_saved_bytes(model, c, e))
     layers = stage_layer_count(model, c, stage)
     in_flight = microbatches_in_flight(c, last_stage)
     if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
@@ -154,7 +166,9 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    rebuilt = np.where(c.recompute == FULL, layout_activation_bytes(model, layout, b, 0, c.flash, e), 0)
+    # Full recomputation rebuilds one layer's activations at a time during backward.
+    whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast)
+    rebuilt = np.where(c.recompute == FULL, whole, 0)
     rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
     activations = activations + rebuilt
     first = (p == 1) | (not last_stage and not second)
@@ -162,14 +176,17 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
-    # final norm input, the logits GEMM input and the fp32 softmax the loss keeps for backward
-    norm_input = e * s * b * h / region
+    # final norm input (fp32 under autocast), the logits GEMM input and the fp32 softmax the loss keeps
+    norm_input = (FP32 if autocast else e) * s * b * h / region
     head = norm_input + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
     buffers = np.where(p > 1, 2 * e * s * b * h / t, 0)  # pipeline receive buffers
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), e * s * b * h, 0)  # SP all-gather
     buffers = buffers + ring_attention_buffer_bytes(model, c)
+    # selective recomputation's attention core, rebuilt for one layer's backward (7.5)
+    core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast)
+    buffers = buffers + np.where(c.recompute == SELECTIVE, core, 0)
     # the logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
     logits = e * s * b * vocab / t
     buffers = buffers + np.where(last, logits, 0)

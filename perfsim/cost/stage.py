@@ -17,7 +17,8 @@ from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
-from perfsim.cost.data_parallel import microbatch_reduction_time, zero3_units
+from perfsim.cost.data_parallel import gradient_accumulation_time, microbatch_reduction_time, zero3_units
+from perfsim.cost.host import layer_host_overhead, shown_share
 from perfsim.cost.layer import Work, embedding_work, gemm_pass_times, head_memory_ops, layer_memory_ops, work
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
@@ -72,8 +73,9 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
 
     gemms = tpc.layer_gemms(layout, model, b, c.cp)
-    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split, c.element), c.flash,
-                 c.fp8)
+    autocast = system.framework.autocast
+    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split, c.element, autocast),
+                 c.flash, c.fp8)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b, c.element)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
@@ -119,7 +121,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b, c.element)
     vocab = model.padded_vocab(t)
     head = work(dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
-                head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element))
+                head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
     head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
     layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
     middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
@@ -128,9 +130,18 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     last = _plus(last, head, tp_time(head_fwd), tp_time(head_bwd))
     single = _plus(first, head, tp_time(head_fwd), tp_time(head_bwd))
     first, last = (_where(p == 1, single, s) for s in (first, last))
-
     params_first, params_last = stage_params(model, c, "first"), stage_params(model, c, "last")
-    for name, stage, params in (("first", first, params_first), ("middle", middle, stage_params(model, c, "middle")),
+    params_middle = stage_params(model, c, "middle")
+    middle, first, last = (_plus_compute(stage, gradient_accumulation_time(system, c, params))
+                           for stage, params in ((middle, params_middle), (first, params_first), (last, params_last)))
+    # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
+    loop = system.framework.microbatch_overhead_s
+    recompute_host = np.where(c.recompute == FULL, host_fwd, 0.0)
+    middle, first, last = (_host_beside_device(stage, stage_layer_count(model, c, name), host, recompute_host, loop,
+                                               system.framework.host_overlap)
+                           for stage, name in ((middle, "middle"), (first, "first"), (last, "last")))
+
+    for name, stage, params in (("first", first, params_first), ("middle", middle, params_middle),
                                 ("last", last, params_last)):
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
                                                   stage.backward, zero3_units(model, c, name),
@@ -160,15 +171,22 @@ def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activati
     return forward, backward
 
 
-def layer_host_overhead(system: System, c: Columns):
-    """Host seconds one layer's forward and backward of a micro-batch pay beyond their kernels and
-    collectives: the profile's layer_overhead_s (any plan: autograd and module dispatch, docs/
-    equations.md 8.2), plus what a tensor-parallel implementation adds, tp_layer_overhead_s
-    (sp_layer_overhead_s with SP) in 1d with t > 1 (Megatron-LM's layers and the 2d/2.5d/3d ones
-    add none, 8.1)."""
-    fw = system.framework
-    per_layer = np.where(c.sp, fw.sp_layer_overhead_s, fw.tp_layer_overhead_s)
-    return np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0) + fw.layer_overhead_s
+def _host_beside_device(stage: StageTime, layers, host, recompute_host, loop, overlap) -> StageTime:
+    """`stage` with only the shown share of its host time (cost/host.py): `layers` x `host` and the
+    micro-batch's `loop` in compute, `layers` x `recompute_host` in recompute, a third of each in
+    forward; without host_overlap all of it."""
+    in_compute, in_recompute = layers * host + loop, layers * recompute_host
+    total = in_compute + in_recompute
+    hidden = 1 - shown_share(total, stage.total - total, overlap)
+    forward = layers * host / 3 + loop / 3
+    return replace(stage, compute=stage.compute - hidden * in_compute, recompute=stage.recompute - hidden * in_recompute,
+                   forward_compute=stage.forward_compute - hidden * forward,
+                   backward=stage.backward - hidden * (total - forward))
+
+
+def _plus_compute(stage: StageTime, backward_seconds) -> StageTime:
+    """`stage` with `backward_seconds` more of backward compute."""
+    return replace(stage, compute=stage.compute + backward_seconds, backward=stage.backward + backward_seconds)
 
 
 def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:

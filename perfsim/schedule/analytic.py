@@ -20,6 +20,7 @@ from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns, stage_layer_count
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
 from perfsim.cost.fp8 import weight_cast_time
+from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.memory import stage_params
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
@@ -80,6 +81,6 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     # the optimizer step, and in FP8 the cast of the updated weights it is followed by
     breakdown["optimizer"] = optimizer_time(system, c, params) + weight_cast_time(
         model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
-    breakdown["other"] = system.framework.step_overhead_s + 0.0 * pipeline
+    breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}

@@ -31,6 +31,7 @@ from perfsim.cost.columns import Columns, at_dtype, columns_of, stage_layer_coun
 from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
                                         tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
 from perfsim.cost.fp8 import weight_cast_time
+from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
@@ -135,6 +136,8 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     def per(fn):
         return {k: f(fn(k)) for k in POSITIONS}
 
+    optimizer = per(lambda k: optimizer_time(system, c, params[k])
+                    + weight_cast_time(model, system, c, stage_layer_count(model, c, k)))
     costs = StepCosts(
         schedule=schedule, p=p, m=m, v=v, layers=model.layers,
         forward_compute=per(lambda k: parts[k].forward_compute),
@@ -147,10 +150,9 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         backward_cp=per(lambda k: times[k].cp_comm - times[k].forward_cp),
         hop_s=f(stages.middle.pp_comm) / (2 * v) if p > 1 else 0.0,
         dp=dp, zero=zero, dp_overlap=o, overlap_efficiency=eta, recompute_full=int(c.recompute) == 2,
-        overhead_s=float(system.framework.step_overhead_s),
+        overhead_s=float(shown_step_overhead(system, max(optimizer.values()))),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
-        optimizer=per(lambda k: optimizer_time(system, c, params[k])
-                      + weight_cast_time(model, system, c, stage_layer_count(model, c, k))),
+        optimizer=optimizer,
     )
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731

@@ -48,6 +48,9 @@ class Device:
     # efficiency at the scores GEMM's shape, the backward at the forward's.
     flash_forward_efficiency: float | None = None
     flash_backward_efficiency: float | None = None
+    # Optional seconds the fused kernel's softmax adds per score it executes, beside its products at
+    # the efficiencies above (perfsim.cost.layer.flash_curve_times); None: none.
+    flash_score_s: float | None = None
     # Optional FP8 tensor-core peak (dense) and the best-case fraction of it a GEMM reaches
     # (--dtype fp8, perfsim.cost.layer.gemm_time); no peak: the device cannot train in FP8; no
     # efficiency: FP8 GEMMs follow the bf16 GEMM efficiency model (docs/equations.md 3.11).
@@ -187,6 +190,29 @@ class Framework:
     # Optional, 0 or 1: whether plans with 1d + SP pipeline their tensor-parallel collectives with
     # the GEMMs by default (the plan's tp_overlap; Megatron-Core's --tp-comm-overlap).
     tp_overlap: float = 0.0
+    # Optional, 0 or 1: whether the host issues kernels ahead of the device (a GPU's queue), so that
+    # the loop's own host time above (layer, micro-batch and step overheads) runs beside the kernels
+    # and only what exceeds them shows (1), or whether the host runs the kernels itself, one after
+    # its own work (0 or left out: a CPU rank). docs/equations.md 8.3.
+    host_overlap: float | None = None
+    # Optional, 0 or 1: the step runs under torch.autocast (the harness on a GPU): LayerNorm and
+    # softmax compute in fp32 on fp32 copies of their bf16 inputs, each with cast kernels around
+    # it, and keep those fp32 tensors for backward (docs/equations.md 3.5, 7.2). 0 or left out: fused
+    # kernels with bf16 inputs and outputs (Megatron-Core, Transformer Engine), or no mixed precision.
+    autocast: float | None = None
+    # Optional: bytes the optimizer step moves per parameter it updates; None: Megatron's Adam on
+    # fp32 main gradients (2 x grad_bytes_per_param + 2 x 12 + the weight's bytes, docs/equations.md
+    # 6.3). The harness's MasterAdam moves its own (perfsim.calibrate.overheads.as_trained).
+    optimizer_bytes_per_param: float | None = None
+    # Optional: bytes per parameter each micro-batch after a step's first moves to add its gradients
+    # to those accumulated (eager PyTorch's AccumulateGrad: read both, write one, 3 x grad bytes);
+    # 0 or left out: accumulated inside the weight-gradient GEMM (Megatron's gradient-accumulation
+    # fusion).
+    grad_accumulation_bytes_per_param: float | None = None
+    # Optional, 0 or 1: gradients are freed after every optimizer step (PyTorch's
+    # zero_grad(set_to_none=True), as the harness does) and allocated by the next backward, not held
+    # in buffers of their own (0 or left out: Megatron's contiguous gradient buffer). docs/equations.md 7.4.
+    grads_set_to_none: float | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +239,7 @@ _COUNT = ("int", 1, INF, True)
 _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
-                                 "flash_backward_efficiency", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype",
+                                 "flash_backward_efficiency", "flash_score_s", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype",
                                  "speed_reference_gemm_s", "speed_reference_norm_s")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
@@ -229,10 +255,14 @@ _RULES = {
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
 _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
                            "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True),
+                           "host_overlap": ("float", 0.0, 1.0, True), "autocast": ("float", 0.0, 1.0, True),
+                           "optimizer_bytes_per_param": _POSITIVE, "grad_accumulation_bytes_per_param": _NONNEG,
+                           "grads_set_to_none": ("float", 0.0, 1.0, True),
                            "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG,
                            "reduce_scatter_input_copies": _NONNEG},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
+                        "flash_score_s": _NONNEG,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION,
                         "speed_reference_gemm_s": _POSITIVE, "speed_reference_norm_s": _POSITIVE}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
@@ -432,11 +462,14 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         sections[section] = values
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
-    for key, what in (("dp_overlap", "data-parallel"), ("tp_overlap", "tensor-parallel")):
+    for key, what in (("dp_overlap", "whether plans overlap data-parallel communication by default"),
+                      ("tp_overlap", "whether plans overlap tensor-parallel communication by default"),
+                      ("host_overlap", "whether the host issues kernels ahead of the device"),
+                      ("autocast", "whether the step runs under torch.autocast"),
+                      ("grads_set_to_none", "whether gradients are freed after every step")):
         value = sections["framework"].get(key, 0)
         if value not in (0, 1):
-            raise PerfsimError(f"{where}: framework.{key}.value must be 0 or 1 (whether plans overlap {what} "
-                               f"communication by default), got {value!r}")
+            raise PerfsimError(f"{where}: framework.{key}.value must be 0 or 1 ({what}), got {value!r}")
     node = sections["node"]
     if node["devices_per_node"] % node["devices_per_card"]:
         raise PerfsimError(f"{where}: node.devices_per_node must be a multiple of node.devices_per_card")

@@ -27,7 +27,8 @@ FASTER_WHEN_HIGHER = {
     **dict.fromkeys(("gemm_half_dim", "kernel_overhead_s", "card_link_latency_s", "node_link_latency_s", "latency_s",
                      "oversubscription", "operation_latency_factor", "operation_step_overhead_s",
                      "reserved_memory_bytes", "allocator_overhead_fraction", "step_overhead_s", "tp_layer_overhead_s",
-                     "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies"), False),
+                     "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies",
+                     "flash_score_s", "optimizer_bytes_per_param", "grad_accumulation_bytes_per_param"), False),
 }
 
 
