@@ -79,3 +79,14 @@ def run_rank_check(tmp_path_factory, module: str, world: int, *args: str) -> dic
     data = json.loads(out.read_text())
     assert data["world"] == world
     return data
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A one-rank gloo process group in this process, for harness code that needs a group but no
+    peers; yields the group."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

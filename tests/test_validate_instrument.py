@@ -16,17 +16,10 @@ from validate.instrument import CollectiveCounter, LocalFlopCounter  # noqa: E40
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def test_plain_and_functional_collectives_are_recorded(group):
+def test_plain_and_functional_collectives_are_recorded(one_rank_group):
     import torch.distributed._functional_collectives as funcol
 
+    group = one_rank_group
     x = torch.ones(6, 4)
     with CollectiveCounter() as c:
         dist.all_reduce(x)

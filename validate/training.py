@@ -74,15 +74,18 @@ def initialise(module, seed: int) -> None:
                 local.copy_(torch.randn(local.shape, generator=g) * 0.02)
 
 
-def synthetic_batches(rows: int, seq: int, vocab: int, device="cpu", seed: int = 1):
+def synthetic_batches(rows: int, seq: int, vocab: int, device=None, seed: int = 1):
     """(tokens, next tokens), [rows, seq] each, from a seeded generator: the same on every rank
     that passes the same seed. Every step and check draws its batch here, so all of them see the
     same data however they split it: micro-batch i is rows i mbs ... (i + 1) mbs, and
-    data-parallel member r of D takes its block r of D x rows drawn rows."""
+    data-parallel member r of D takes its block r of D x rows drawn rows. On `device`, or left
+    on the host where they are drawn (None) for the caller to take its part and move it."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(vocab, (rows, seq + 1), generator=g)
+    if device is None:
+        return data[:, :-1], data[:, 1:]
     return data[:, :-1].to(device), data[:, 1:].to(device)
 
 

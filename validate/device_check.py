@@ -1,0 +1,95 @@
+"""Every plan kind the harness runs, built and stepped under validate.device_consistency, as ranks.
+
+Run as ranks (`python -m validate.device_check OUT`, launched by validate.launcher.launch_ranks;
+tests/test_validate_device_consistency.py). Each rank builds every plan of its world size
+(`plans_at`) with validate.steps.build_step, the builder `perfsim validate` uses, and runs its
+optimizer steps (`steps_of`), all inside DeviceConsistency: an op that would meet tensors of two
+devices on a GPU raises MixedDevices, naming the plan, and the rank fails. Rank 0 writes
+{"world": P, "model": spec, "plans": [labels run]}.
+"""
+
+from __future__ import annotations
+
+MODEL = "hidden=64,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false"  # the layers: model_of
+
+
+def model_of(plan, spec: str = MODEL):
+    """The model a plan runs here: the fewest layers it takes, one per pipeline stage (a layer
+    shows every op a layer runs; the CI machine's few cores run every rank)."""
+    from perfsim.spec.model import load_model
+
+    return load_model(f"layers={plan.pp * plan.vpp},{spec}")
+
+
+def plans_at(world: int, spec: str = MODEL) -> list:
+    """The plans run at `world` ranks: perfsim validate's default plans at 1 and 2 devices (1d
+    tensor parallelism with and without SP under every recompute mode, unfused and flash
+    attention, the three pipeline schedules, ZeRO 0-3, context parallelism); at 4 its 2d plan and
+    context parallelism beside tensor and data parallelism; at 8 its 2.5d and 3d plans (the grids
+    split the micro-batch 4 ways: mbs 4 there)."""
+    from perfsim.spec.model import load_model
+    from perfsim.spec.plan import Plan
+    from validate.timing import default_plans
+
+    model = load_model(f"layers=4,{spec}")  # enough for every default plan's stages
+    if world <= 2:
+        return default_plans(world, model, mbs=2)
+    if world == 4:
+        return [p for p in default_plans(4, model, mbs=4) if p.tp_mode == "2d"] + [
+            Plan(tp=2, cp=2, attention="flash", mbs=2, gbs=4), Plan(cp=2, dp=2, attention="flash", mbs=2, gbs=8)]
+    if world == 8:
+        return [p for p in default_plans(8, model, mbs=4) if p.tp_mode in ("2.5d", "3d")]
+    raise ValueError(f"no plans at {world} ranks: run 1, 2, 4 or 8")
+
+
+def steps_of(plan) -> int:
+    """Two steps where torch sets up at the first what the second runs (DDP rebuilds its buckets,
+    FSDP2 and ZeroRedundancyOptimizer initialise lazily, a pipeline stage's first step exchanges
+    its warm-up vote); one elsewhere (everything is built before it: MasterAdam.init_states)."""
+    return 2 if plan.dp > 1 or plan.pp > 1 else 1
+
+
+def label_of(plan) -> str:
+    """validate.timing's label, which leaves the attention kernel out, with it."""
+    from validate.timing import plan_label
+
+    return plan_label(plan) + (" flash" if plan.attention == "flash" else "")
+
+
+def run_plans(plans, spec: str = MODEL, device="cpu", dtype_name: str = "bf16") -> list:
+    """Build and step each plan (of model_of(plan, spec)) on this rank under DeviceConsistency; the
+    labels of those run."""
+    import torch
+
+    from validate.device_consistency import DeviceConsistency, MixedDevices
+    from validate.steps import DTYPES, build_step
+    dtype = getattr(torch, DTYPES[dtype_name])
+    done = []
+    for plan in plans:
+        label = label_of(plan)
+        try:
+            with DeviceConsistency():
+                step = build_step(plan, model_of(plan, spec), torch.device(device), dtype)
+                for _ in range(steps_of(plan)):
+                    step.run()
+        except MixedDevices as e:
+            raise MixedDevices(f"plan {label}: {e}") from None
+        done.append(label)
+    return done
+
+
+def main(argv=None) -> int:
+    from validate.ranks import check_parser, gloo_ranks, write_on_rank0
+
+    args = check_parser("python -m validate.device_check", MODEL,
+                        "'all' (every plan of the world size) or a comma list of their labels").parse_args(argv)
+    with gloo_ranks(args.timeout) as ranks:
+        plans = [p for p in plans_at(ranks.world, args.model) if args.cases == "all" or label_of(p) in args.cases.split(",")]
+        write_on_rank0(ranks, args.out, model=args.model, plans=run_plans(plans, args.model))
+    return 0
+
+
+if __name__ == "__main__":
+    from validate.ranks import leave
+
+    leave(main())
