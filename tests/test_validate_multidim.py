@@ -1,5 +1,6 @@
 """Real 2d (world 4 = 2 x 2), 2.5d (world 8 = q 2 x depth 2) and 3d (world 8 = 2 x 2 x 2) tensor-parallel
-steps (validate.multidim) on CPU with gloo, every recompute mode: loss and gradients equal a
+steps (validate.multidim) on CPU with gloo, every recompute mode (of the GPT; of a Llama-shaped model
+every 2d one and three at world 8): loss and gradients equal a
 single-process reference, and per rank the matrix FLOPs, the bytes sent per grid axis and collective
 kind (embedding, layers, final norm, head), the parameters held and the bytes saved for backward agree
 with perfsim (validate/multidim_check.py says how each side is counted; docs/real-steps-multidim.md has
@@ -23,10 +24,18 @@ GRAD_ATOL = 1e-6
 SAVED_RTOL = 0.05  # what saved_tensors_hooks sees against layout_activation_bytes
 
 
-@pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"world{n}")
+LLAMA = ("layers=2,hidden=64,heads=8,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+         "learned_positions=false,tied_embeddings=false,dropout=false,seq=16,vocab=512")
+RUNS = {("gpt", 4): case_names(4), ("gpt", 8): case_names(8), ("llama", 4): case_names(4),
+        ("llama", 8): ["2.5d-selective", "3d-none", "3d-regather-none"]}
+
+
+@pytest.fixture(scope="module", params=list(RUNS), ids=lambda r: f"world{r[1]}" if r[0] == "gpt" else f"llama-world{r[1]}")
 def results(request, tmp_path_factory):
-    data = run_rank_check(tmp_path_factory, "validate.multidim_check", request.param)
-    assert [c["case"] for c in data["cases"]] == case_names(request.param)
+    kind, world = request.param
+    extra = () if kind == "gpt" else ("--model", LLAMA, "--cases", ",".join(RUNS[request.param]))
+    data = run_rank_check(tmp_path_factory, "validate.multidim_check", world, *extra)
+    assert [c["case"] for c in data["cases"]] == RUNS[request.param]
     return data
 
 

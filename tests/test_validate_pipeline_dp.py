@@ -1,8 +1,8 @@
 """Real pipeline-parallel (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B) and
 data-parallel (DDP, ZeroRedundancyOptimizer, FSDP2) training steps on CPU with gloo, world sizes
-2 and 4, checked rank by rank against a single-process reference and against perfsim
-(validate/pp_dp_check.py says how each side is counted; docs/real-steps-pipeline-dp.md has the
-conventions and the observed numbers)."""
+2 and 4, of the GPT and of a Llama-shaped model, checked rank by rank against a single-process
+reference and against perfsim (validate/pp_dp_check.py says how each side is counted;
+docs/real-steps-pipeline-dp.md has the conventions and the observed numbers)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,20 @@ LOSS_RTOL, GRAD_ATOL, PARAM_ATOL = 1e-6, 1e-6, 1e-6
 ACTIVATION_RTOL = 0.05
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+LLAMA = ("layers=4,hidden=32,heads=4,kv_heads=2,ffn=80,activation=swiglu,norm=rmsnorm,bias=false,"
+         "learned_positions=false,tied_embeddings=false,dropout=false,seq=16,vocab=512")
+# the Llama-shaped model: each schedule, full recomputation and each ZeRO stage once
+RUNS = {("gpt", 2): CASES[2], ("gpt", 4): CASES[4],
+        ("llama", 2): ["gpipe-pp2", "interleaved-pp2-vpp2", "1f1b-pp2-full", "zero1-dp2", "zero2-dp2"],
+        ("llama", 4): ["1f1b-pp4", "zero3-dp4", "1f1b-pp2-dp2"]}
+
+
+@pytest.fixture(scope="module", params=list(RUNS), ids=lambda r: f"world{r[1]}" if r[0] == "gpt" else f"llama-world{r[1]}")
 def results(request, tmp_path_factory):
-    data = run_rank_check(tmp_path_factory, "validate.pp_dp_check", request.param)
-    assert [c["case"] for c in data["cases"]] == CASES[request.param]
+    kind, world = request.param
+    extra = () if kind == "gpt" else ("--model", LLAMA, "--cases", ",".join(RUNS[request.param]))
+    data = run_rank_check(tmp_path_factory, "validate.pp_dp_check", world, *extra)
+    assert [c["case"] for c in data["cases"]] == RUNS[request.param]
     return data
 
 

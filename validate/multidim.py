@@ -23,6 +23,10 @@ Forward all-gathers X over `into` and W over `weight`, reduce-scatters Y over `o
 all-gathers dY over `out`, reduce-scatters dX over `into` and dW over `weight`, using the gathered
 X and W kept from the forward (or gathering them again with `regather`, perfsim's tp_regather).
 
+A Llama-shaped config (validate.llama) lays QKV's columns out by query group and FC1's gate and
+up columns in pairs, so every column block holds whole groups and whole pairs (kv_heads divisible
+by q); its RMSNorm all-reduces one per-token statistic each way, the sum of squares forward.
+
 Vectors (biases, LayerNorm gamma/beta, position embedding) are split w ways like everything else
 (perfsim.cost.memory.stage_params) and all-gathered over the devices that share the hidden block
 they multiply (`col` in 2d/2.5d, a plane in 3d); their gradients are reduce-scattered back (and
@@ -53,7 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from validate.gpt import ATTENTION_CORES, GPT, RECOMPUTE, GPTConfig
+from validate.gpt import ATTENTION_CORES, GPT, RECOMPUTE, GPTConfig, mlp_activation
+from validate.llama import GROUPED_CORES, NORM_EPS, Rotary, grouped_qkv
 from validate.loss import cross_entropy
 
 MODES = ("2d", "2.5d", "3d")
@@ -402,25 +407,76 @@ def _norm_keys(grid: Grid):
     return ("output", "input+weight") if grid.mode == "3d" else ("row", "col")
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, grid: Grid, hidden, eps=1e-5, dtype=None):
+class _SplitNorm(nn.Module):
+    """A norm over a hidden dimension split over the grid: its vectors' shards and their gathers."""
+
+    def __init__(self, grid: Grid, hidden, eps, dtype, bias: bool):
         super().__init__()
         self.grid, self.hidden, self.eps = grid, hidden, eps
         self.stat_key, self.param_key = _norm_keys(grid)
         n = hidden // grid.q // grid.group_size(self.param_key)
         self.weight = nn.Parameter(torch.empty(n, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(n, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(n, dtype=dtype))
 
     def shard(self, full):
         g = self.grid
         return _Sharder(g).vector(full, (g.coord[self.stat_key], g.q), self.param_key)
 
-    def forward(self, x):
+    def gathered(self, vector):
         g = self.grid
         replicas = "depth" if g.mode == "2.5d" and g.depth > 1 else None
-        gamma = _GatherParam.apply(self.weight, g, self.param_key, 0, replicas)
-        beta = _GatherParam.apply(self.bias, g, self.param_key, 0, replicas)
-        return _LayerNorm.apply(x, gamma, beta, g, self.stat_key, self.hidden, self.eps)
+        return _GatherParam.apply(vector, g, self.param_key, 0, replicas)
+
+
+class LayerNorm(_SplitNorm):
+    def __init__(self, grid: Grid, hidden, eps=1e-5, dtype=None):
+        super().__init__(grid, hidden, eps, dtype, bias=True)
+
+    def forward(self, x):
+        gamma, beta = self.gathered(self.weight), self.gathered(self.bias)
+        return _LayerNorm.apply(x, gamma, beta, self.grid, self.stat_key, self.hidden, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm over a hidden dimension split over `key`: the per-token sum of squares all-reduced
+    (fp32), and in backward the per-token sum of the gradient times the normalised input. It
+    keeps its input and 1/rms, as validate.llama.RMSNorm."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, grid, key, hidden, eps):
+        xf = x.float()
+        squares = (xf * xf).sum(-1, keepdim=True)
+        with tag("stats"):
+            grid.all_reduce(squares, key)
+        rstd = torch.rsqrt(squares / hidden + eps)
+        ctx.grid, ctx.key, ctx.hidden = grid, key, hidden
+        ctx.save_for_backward(x, rstd, gamma)
+        return (xf * rstd * gamma.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, gamma = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = dy.float() * gamma.float()
+        dot = (g * xhat).sum(-1, keepdim=True)
+        with tag("stats"):
+            ctx.grid.all_reduce(dot, ctx.key)
+        dx = rstd * (g - xhat * dot / ctx.hidden)
+        dgamma = (dy.float() * xhat).flatten(0, -2).sum(0).to(gamma.dtype)
+        return dx.to(dy.dtype), dgamma, None, None, None, None
+
+
+class RMSNorm(_SplitNorm):
+    def __init__(self, grid: Grid, hidden, eps=NORM_EPS, dtype=None):
+        super().__init__(grid, hidden, eps, dtype, bias=False)
+
+    def forward(self, x):
+        return _RMSNorm.apply(x, self.gathered(self.weight), self.grid, self.stat_key, self.hidden, self.eps)
+
+
+def norm_layer(grid: Grid, cfg: GPTConfig, dtype=None) -> nn.Module:
+    return (LayerNorm if cfg.norm == "layernorm" else RMSNorm)(grid, cfg.hidden, dtype=dtype)
 
 
 def _checkpointed(fn, *args):
@@ -431,23 +487,30 @@ def _checkpointed(fn, *args):
 class Block(nn.Module):
     def __init__(self, grid: Grid, cfg: GPTConfig, regather=False, dtype=None):
         super().__init__()
-        h = cfg.hidden
+        h, f = cfg.hidden, cfg.ffn
         self.grid, self.cfg = grid, cfg
         self.head_dim = h // cfg.heads
-        self.ln1 = LayerNorm(grid, h, dtype=dtype)
-        self.qkv = Linear(grid, h, 3 * h, True, 0, regather, dtype)
-        self.proj = Linear(grid, h, h, True, 1, regather, dtype)
-        self.ln2 = LayerNorm(grid, h, dtype=dtype)
-        self.fc1 = Linear(grid, h, 4 * h, True, 2, regather, dtype)
-        self.fc2 = Linear(grid, 4 * h, h, True, 3, regather, dtype)
+        self.group = cfg.heads // cfg.kv_heads  # query heads per key/value head
+        self.rotary = Rotary(self.head_dim) if cfg.rotary else None
+        self.activation = mlp_activation(cfg.activation)
+        self.ln1 = norm_layer(grid, cfg, dtype)
+        self.qkv = Linear(grid, h, h + 2 * cfg.kv_heads * self.head_dim, cfg.bias, 0, regather, dtype)
+        self.proj = Linear(grid, h, h, cfg.bias, 1, regather, dtype)
+        self.ln2 = norm_layer(grid, cfg, dtype)
+        self.fc1 = Linear(grid, h, 2 * f if cfg.activation == "swiglu" else f, cfg.bias, 2, regather, dtype)
+        self.fc2 = Linear(grid, f, h, cfg.bias, 3, regather, dtype)
 
     def _attention(self, x):
         s = self.cfg.seq
-        qkv = self.qkv(x)  # [tokens, 3 h / q]: whole heads (columns laid out head by head)
+        qkv = self.qkv(x)  # [tokens, (h + 2 kv) / q]: whole heads, or whole query groups (validate.llama)
         t, width = qkv.shape
-        heads = width // (3 * self.head_dim)
-        q, k, v = qkv.view(t // s, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        core = ATTENTION_CORES[self.cfg.attention]
+        if self.cfg.gpt_attention:
+            heads = width // (3 * self.head_dim)
+            q, k, v = qkv.view(t // s, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+            core = ATTENTION_CORES[self.cfg.attention]
+        else:
+            q, k, v = grouped_qkv(qkv.view(t // s, s, width), self.group, self.head_dim, self.rotary)
+            heads, core = q.shape[1], GROUPED_CORES[self.cfg.attention]
         if self.cfg.recompute == "selective":
             context = _checkpointed(core, q, k, v)
         else:
@@ -456,7 +519,7 @@ class Block(nn.Module):
 
     def _forward(self, x):
         x = x + self._attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(self.activation(self.fc1(self.ln2(x))))
 
     def forward(self, x):
         if self.cfg.recompute == "full":
@@ -466,8 +529,9 @@ class Block(nn.Module):
 
 class MultiDimGPT(nn.Module):
     """validate.gpt.GPT's model (learned positions, LayerNorm, GeLU MLP, untied head, no
-    dropout) with this rank's shards of every parameter. Activations are [tokens, hidden block]
-    (token rows are whole sequences)."""
+    dropout; or the Llama-shaped layers its config asks for: RMSNorm, rotary positions, grouped
+    query heads, SwiGLU or squared ReLU, no biases) with this rank's shards of every parameter.
+    Activations are [tokens, hidden block] (token rows are whole sequences)."""
 
     def __init__(self, grid: Grid, cfg: GPTConfig, regather=False, dtype=None):
         if cfg.recompute not in RECOMPUTE:
@@ -479,9 +543,12 @@ class MultiDimGPT(nn.Module):
         self.vocab_key = "input" if g.mode == "3d" else "col"  # the axis the embedding's rows split over
         rows = cfg.vocab // q // (q if g.mode == "3d" else 1)
         self.embed = nn.Parameter(torch.empty(rows, cfg.hidden // q, dtype=dtype))
-        self.pos = nn.Parameter(torch.empty(cfg.seq, cfg.hidden // q // g.group_size(self.pos_key), dtype=dtype))
+        if cfg.rotary:  # positions enter the attention (validate.llama.Rotary)
+            self.register_parameter("pos", None)
+        else:
+            self.pos = nn.Parameter(torch.empty(cfg.seq, cfg.hidden // q // g.group_size(self.pos_key), dtype=dtype))
         self.blocks = nn.ModuleList(Block(grid, cfg, regather, dtype) for _ in range(cfg.layers))
-        self.ln_f = LayerNorm(grid, cfg.hidden, dtype=dtype)
+        self.ln_f = norm_layer(grid, cfg, dtype)
         self.head = Linear(grid, cfg.hidden, cfg.vocab, False, 0, regather, dtype)
         self.block_context = contextlib.nullcontext  # the check counts each layer's saved tensors
         self.recipes = self._recipes()
@@ -497,7 +564,8 @@ class MultiDimGPT(nn.Module):
             out["embed"] = ("embed.weight", lambda e: sh.block(sh.block(e, (a, q), None), (w, q), (o, q)))
         else:
             out["embed"] = ("embed.weight", lambda e: sh.block(e, (g.coord["col"], q), (g.coord["row"], q)))
-        out["pos"] = ("pos", lambda p: sh.vector(p, (hidden_block, q), self.pos_key))
+        if self.pos is not None:
+            out["pos"] = ("pos", lambda p: sh.vector(p, (hidden_block, q), self.pos_key))
 
         def linear(local, ref, mod):
             out[f"{local}.weight"] = (f"{ref}.weight", lambda t, m=mod: m.shard_weight(t.t()))
@@ -505,7 +573,7 @@ class MultiDimGPT(nn.Module):
                 out[f"{local}.bias"] = (f"{ref}.bias", lambda t, m=mod: m.shard_bias(t))
 
         def norm(local, ref, mod):
-            for p in ("weight", "bias"):
+            for p, _ in mod.named_parameters():  # weight, and bias for a LayerNorm
                 out[f"{local}.{p}"] = (f"{ref}.{p}", lambda t, m=mod: m.shard(t))
 
         for i, blk in enumerate(self.blocks):
@@ -560,8 +628,9 @@ class MultiDimGPT(nn.Module):
         else:
             weight, start = self.embed, g.coord["col"] * self.embed.shape[0]
         x = _VocabEmbedding.apply(weight, ids, start, g, self.vocab_key, replicas)
-        pos = _GatherParam.apply(self.pos, g, self.pos_key, 1, replicas)
-        x = (x.view(-1, s, x.shape[-1]) + pos).view(-1, x.shape[-1])
+        if self.pos is not None:
+            pos = _GatherParam.apply(self.pos, g, self.pos_key, 1, replicas)
+            x = (x.view(-1, s, x.shape[-1]) + pos).view(-1, x.shape[-1])
         for block in self.blocks:
             with self.block_context():
                 x = block(x)

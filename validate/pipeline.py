@@ -53,7 +53,7 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(copy.deepcopy(gpt.blocks[i]) for i in self.layer_ids)
         if self.first:
             self.embed = copy.deepcopy(gpt.embed)
-            self.pos = nn.Parameter(gpt.pos.detach().clone())
+            self.pos = None if gpt.pos is None else nn.Parameter(gpt.pos.detach().clone())  # None: rotary
         if self.last:
             self.ln_f = copy.deepcopy(gpt.ln_f)
             self.head = copy.deepcopy(gpt.head)
@@ -67,7 +67,9 @@ class StageModule(nn.Module):
 
     def forward(self, x):
         if self.first:
-            x = self.embed(x) + self.pos[: x.shape[1]]
+            x = self.embed(x)
+            if self.pos is not None:
+                x = x + self.pos[: x.shape[1]]
         for block in self.blocks:
             x = block(x)
         if self.last:

@@ -65,7 +65,7 @@ class DataParallel:
             from torch.distributed.fsdp import fully_shard
 
             group = group or dist.group.WORLD
-            mesh = DeviceMesh.from_group(group, module.pos.device.type)
+            mesh = DeviceMesh.from_group(group, module.embed.weight.device.type)
             # a unit per block, and the word embedding and the head apart from the root: in the root
             # they would stay gathered from the head's backward to the embedding's, through every
             # block's (DeepSpeed's ZeRO-3, and perfsim, gather one module at a time)
