@@ -11,10 +11,11 @@ calls, device-generic: gloo, nccl, xccl) passes the key/value blocks around the 
   block from rank i - 1 (cp - 1 sends of one block: K and V of s/cp tokens, heads/tp, head_dim).
   Each (query chunk, key chunk) pair is a block: below the diagonal in full, on it with the causal
   mask, above it skipped. A block runs in the device's fused flash kernel, which returns its
-  log-sum-exp (`fused_block_kernels`: on a CPU the very kernel scaled_dot_product_attention runs,
-  as production ring attention calls flash-attention per block), else as explicit math (scores,
-  softmax, two products). The blocks merge with the online softmax: a running output and
-  log-sum-exp per query row (`_merge`), so the result is exactly softmax(QK^T/sqrt(d)) V.
+  log-sum-exp (`fused_block_kernels`: the very kernel scaled_dot_product_attention runs on the
+  device, CPU, CUDA or XPU, as production ring attention calls flash-attention per block), else
+  as explicit math (scores, softmax, two products). The blocks merge with the online softmax: a
+  running output and log-sum-exp per query row (`_merge`), so the result is exactly
+  softmax(QK^T/sqrt(d)) V.
 - backward (Transformer Engine's schedule, AttnFuncWithCPAndKVP2P): the blocks go around the
   other way, starting from the one the forward held last (saved for it), so that a rank's own
   block comes last. Each rank recomputes its blocks' scores from Q, K and the saved log-sum-exp
@@ -103,23 +104,116 @@ def _block_scores(q, k, causal: bool):
     return scores
 
 
-def fused_block_kernels(q):
+def fused_block_kernels(q, ops=None):
     """(forward, backward) of the device's fused causal attention kernel that returns its
     log-sum-exp, for ring blocks of `q`'s device and dtype, or None: the explicit block math then
-    runs (_block_scores, softmax, two products). The CPU build of torch has it
-    (aten._scaled_dot_product_flash_attention_for_cpu and its backward: the kernel
-    scaled_dot_product_attention itself runs on a CPU, with the log-sum-exp it keeps for backward);
-    other devices' flash ops take device-specific arguments and are not wired here."""
-    ops = torch.ops.aten
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or not hasattr(
-            ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+    runs (_block_scores, softmax, two products).
+
+    - CPU (fp32, bf16): aten._scaled_dot_product_flash_attention_for_cpu and its backward, the
+      kernel scaled_dot_product_attention itself runs on a CPU, with the log-sum-exp it keeps for
+      backward.
+    - CUDA and XPU: the kernel scaled_dot_product_attention picks for the blocks, asked as for a
+      training step (torch._fused_sdp_choice, inputs that require grad), through its aten op and
+      that op's backward: flash attention (CUDA; XPU where torch has it), memory-efficient attention
+      (CUDA, with compute_log_sumexp) or the XPU oneDNN kernel (`overrideable`).
+    The explicit math runs elsewhere: other CPU dtypes; a GPU whose choice is the math or cuDNN
+    backend (SDPA's switches or priorities changed, shapes no fused kernel takes) or whose torch has
+    no kernel of these ops for it; other devices.
+
+    Each forward returns the block's output and its log-sum-exp as _merge takes it, fp32 [b, heads,
+    c]; the backward takes the merged ones and gives the merged log-sum-exp to the kernel in the
+    layout the kernel's forward returned (memory-efficient attention pads the rows to a multiple of
+    32 on CUDA; the XPU kernel adds a trailing dimension of 1), with the forward's random-number
+    state (unused: no dropout). `ops`: the aten namespace (tests substitute stand-ins)."""
+    ops = torch.ops.aten if ops is None else ops
+    if q.device.type == "cpu":
+        if q.dtype not in (torch.float32, torch.bfloat16) or not hasattr(
+                ops, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            return None
+
+        def forward(q, k, v, causal):
+            return ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+        def backward(grad_out, q, k, v, out, lse, causal):
+            return ops._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+
+        return forward, backward
+    backend = _sdpa_backend(q)
+    if backend not in GPU_BLOCK_OPS or not all(_has_kernel(name, _DISPATCH_KEYS[q.device.type])
+                                               for name in GPU_BLOCK_OPS[backend]):
+        return None
+    return _gpu_block_kernels(ops, backend)
+
+
+# scaled_dot_product_attention's backends (torch.nn.attention.SDPBackend's values) a ring block
+# runs in on a GPU, with the aten ops (forward, backward) that call the backend's kernel
+FLASH, EFFICIENT, OVERRIDEABLE = 1, 2, 4
+GPU_BLOCK_OPS = {FLASH: ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+                 EFFICIENT: ("_scaled_dot_product_efficient_attention",
+                             "_scaled_dot_product_efficient_attention_backward"),
+                 OVERRIDEABLE: ("_scaled_dot_product_fused_attention_overrideable",
+                                "_scaled_dot_product_fused_attention_overrideable_backward")}
+_DISPATCH_KEYS = {"cuda": "CUDA", "xpu": "XPU"}
+_QKV_GRADS = [True, True, True, False]  # the gradients a backward returns: dQ, dK, dV, no attention bias's
+
+
+def _has_kernel(name: str, key: str) -> bool:
+    """Whether this torch has aten op `name` with a kernel of its own for dispatch key `key`."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key)
+    except RuntimeError:  # no such op in this torch
+        return False
+
+
+def _sdpa_backend(q) -> int | None:
+    """The backend scaled_dot_product_attention runs causal attention of `q`'s ring blocks in on
+    its GPU, asked with inputs that require grad (a kernel without a backward for the shape is not
+    chosen); None without a choice to ask (no kernels for the device, every backend switched off)."""
+    key = _DISPATCH_KEYS.get(q.device.type)
+    if key is None or not _has_kernel("_fused_sdp_choice", key):
+        return None
+    block = _halves(q)[0].detach().requires_grad_()
+    try:
+        with torch.enable_grad():
+            return int(torch.ops.aten._fused_sdp_choice(block, block, block, None, 0.0, True))
+    except RuntimeError:
         return None
 
+
+def _gpu_block_kernels(ops, backend: int):
+    """fused_block_kernels' (forward, backward) through the ops of GPU_BLOCK_OPS[backend]."""
+    kept = {}  # from the forward, for the backward: the kernel's random-number state and log-sum-exp shape
+
     def forward(q, k, v, causal):
-        return ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        if backend == FLASH:
+            result = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+            out, lse, rng = result[0], result[1], result[6:8]
+        elif backend == EFFICIENT:
+            out, lse, *rng = ops._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        else:
+            # the oneDNN kernel computes its log-sum-exp only with grad mode on and an input that
+            # requires grad (torch's Attention.cpp); the ring's autograd Function runs with it off
+            with torch.enable_grad():
+                result = ops._scaled_dot_product_fused_attention_overrideable(
+                    *(x.detach().requires_grad_() for x in (q, k, v)), None, 0.0, causal)
+            out, lse, rng = result[0].detach(), result[1].detach(), result[6:8]
+        kept.update(rng=tuple(rng), lse_shape=tuple(lse.shape))
+        return out, lse.flatten(2)[..., :q.shape[-2]]
 
     def backward(grad_out, q, k, v, out, lse, causal):
-        return ops._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+        shape = kept["lse_shape"]
+        if shape[2] != lse.shape[-1]:  # rows padded: the padding as the kernel leaves it
+            lse = torch.cat([lse, lse.new_full((*lse.shape[:-1], shape[2] - lse.shape[-1]), float("inf"))], -1)
+        lse = lse.reshape(shape)
+        c, ck, rng = q.shape[-2], k.shape[-2], kept["rng"]
+        if backend == FLASH:
+            return ops._scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, None, None, c, ck,
+                                                                    0.0, causal, *rng)
+        if backend == EFFICIENT:
+            return ops._scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, None, out, lse, *rng, 0.0,
+                                                                        _QKV_GRADS, causal)[:3]
+        return ops._scaled_dot_product_fused_attention_overrideable_backward(
+            grad_out, q, k, v, None, _QKV_GRADS, out, lse, None, None, c, ck, 0.0, causal, *rng)[:3]
 
     return forward, backward
 
