@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     args = check_parser("python -m validate.device_check", MODEL,
                         "'all' (every plan of the world size) or a comma list of their labels").parse_args(argv)
     with gloo_ranks(args.timeout) as ranks:
-        plans = [p for p in plans_at(ranks.world, args.model) if args.cases == "all" or label_of(p) in args.cases.split(",")]
+        chosen = args.cases.split(",")
+        plans = [p for p in plans_at(ranks.world, args.model) if args.cases == "all" or label_of(p) in chosen]
         write_on_rank0(ranks, args.out, model=args.model, plans=run_plans(plans, args.model))
     return 0
 

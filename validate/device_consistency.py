@@ -205,7 +205,8 @@ class _Ops(TorchDispatchMode):
         by_device = {}
         for name, _, t, device in devices:
             where = f" made at {self.host.made_at(t)}" if device == HOST else ""
-            by_device.setdefault(device, []).append(f"{name} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}{where}")
+            dtype = str(t.dtype).replace("torch.", "")
+            by_device.setdefault(device, []).append(f"{name} {tuple(t.shape)} {dtype}{where}")
         parts = []
         for device in sorted(by_device, key=lambda d: d != HOST):
             names = by_device[device]
