@@ -66,6 +66,21 @@ def test_a_short_call_is_warmed_up_and_batched_as_before():
     assert len(times) >= 5
 
 
+def test_a_gpu_call_whose_first_run_was_setup_is_timed_as_the_short_call_it_is():
+    """On a GPU a first call of seconds is mostly one-off setup (lazy module loading, a kernel
+    plan): a second call decides, and a 70 us kernel is batched like any short call instead of
+    being timed one call at a time with its warm-up (perfsim.calibrate.host_bound)."""
+    clock, calls = Clock(), []
+
+    def fn():
+        clock.now += 1.2 if not calls else 7e-5
+        calls.append(clock.now)
+    device = FakeDevice(clock)
+    device.kind = "cuda"
+    times, number, _ = mb.repetitions(device, fn, 2, 5, 2e-3)
+    assert number > 1 and times == pytest.approx([7e-5] * len(times))
+
+
 def test_ranks_agree_on_the_slowest_first_call():
     """Collectives must make the same calls on every rank: the decision uses the agreed time."""
     _, number, _, _ = run(0.1, agree=lambda seconds: 0.9)

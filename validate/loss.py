@@ -41,10 +41,16 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
-        # the softmax is not needed again: its buffer becomes the gradient (backward runs once)
-        softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
-        softmax.mul_(grad * ctx.scale)
-        return softmax.to(ctx.dtype), None, None, None, None
+        return logits_gradient(softmax, local, mine, grad * ctx.scale, ctx.dtype), None, None, None, None
+
+
+def logits_gradient(softmax, local, mine, scale, dtype):
+    """The logits' gradient in `dtype`, computed in the kept fp32 softmax's own buffer (it is not
+    needed again: backward runs once): softmax minus the one-hot of the targets this rank holds,
+    times `scale`. validate.microbench times these kernels as the loss's backward."""
+    softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
+    softmax.mul_(scale)
+    return softmax.to(dtype)
 
 
 def cross_entropy(logits, targets, start: int = 0, reduce=_no_group, scale: float | None = None):
