@@ -49,10 +49,16 @@ class FakeEvent:
 
 
 class FakeXpu:
+    """torch.xpu (or torch.cuda: the same API) with what validate.device calls."""
+
     Event = FakeEvent
 
     def __init__(self, available=True):
         self.available, self.current, self.synced, self.reset = available, None, 0, []
+        self.allocated = 100  # bytes the caching allocator holds now
+
+    def memory_allocated(self, index):
+        return self.allocated
 
     def is_available(self):
         return self.available
@@ -189,6 +195,46 @@ def test_xpu_device_layer_against_the_documented_api(monkeypatch, no_module):
     assert torch.xpu.reset == [3] and dev.peak_memory_bytes() == 123 * 4
     assert dev.describe() == {"kind": "xpu", "index": 3, "name": "Intel(R) Data Center GPU Max 1550",
                               "memory_bytes": 64 * 2**30}
+
+
+def test_xpu_allocation_peak_reads_the_caching_allocator(monkeypatch, no_module):
+    """What a window's peak is made of on a GPU: the allocator's max over a reset at the window,
+    less what was allocated when the region began; every read after the device was waited for."""
+    torch = fake_torch(xccl=True)
+    torch.device = lambda kind, index=None: (kind, index)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    no_module("intel_extension_for_pytorch")
+    dev = vdev.Device("xpu", local_rank=2)
+    with dev.allocation_peak() as peak:
+        synced = torch.xpu.synced
+        peak.window()
+        assert torch.xpu.synced == synced + 1 and torch.xpu.reset == [2, 2]
+    assert peak.bytes == 123 * 3 - 100  # max_memory_allocated(2) less memory_allocated at entry
+
+
+def test_cuda_device_takes_the_same_calls(monkeypatch):
+    """Device("cuda") goes through torch.cuda exactly as Device("xpu") through torch.xpu."""
+    torch = fake_torch(cuda=True)
+    torch.cuda = FakeXpu()
+    torch.device = lambda kind, index=None: (kind, index)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    dev = vdev.Device("cuda", local_rank=9)
+    assert dev.index == 1 and torch.cuda.current == 1 and dev.torch_device == ("cuda", 1)
+    dev.sync()
+    assert torch.cuda.synced == 1 and isinstance(dev.timer(), vdev.EventTimer)
+    dev.reset_peak_memory()
+    assert torch.cuda.reset == [1] and dev.peak_memory_bytes() == 123 * 2 and dev.memory_bytes() == 64 * 2**30
+
+
+def test_xpu_software_versions_name_the_stack(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(xccl=False))
+    for name, version in (("intel_extension_for_pytorch", "2.8.10+xpu"), ("oneccl_bindings_for_pytorch", "2.8.0")):
+        module = types.ModuleType(name)
+        module.__version__ = version
+        monkeypatch.setitem(sys.modules, name, module)
+    versions = vdev.software_versions("xpu")
+    assert (versions["torch"], versions["xpu"]) == ("2.8.0+xpu", "20250101")
+    assert (versions["ipex"], versions["oneccl_bindings_for_pytorch"]) == ("2.8.10+xpu", "2.8.0")
 
 
 def test_rank_environment_from_mpiexec_pmi():
