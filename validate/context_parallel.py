@@ -8,7 +8,9 @@ calls, device-generic: gloo, nccl, xccl) passes the key/value blocks around the 
 
 - forward: cp steps; at step t the rank holds the keys and values of rank i - t and, while it
   computes its queries' attention against them, sends them on to rank i + 1 and receives the next
-  block from rank i - 1 (cp - 1 sends of one block: K and V of s/cp tokens, heads/tp, head_dim).
+  block from rank i - 1 (cp - 1 sends of one block: K and V of s/cp tokens, kv_heads/tp, head_dim;
+  with grouped-query attention the fused kernel reads each key/value head for its query group, the
+  explicit math expands them per block and sums their gradients back).
   Each (query chunk, key chunk) pair is a block: below the diagonal in full, on it with the causal
   mask, above it skipped. A block runs in the device's fused flash kernel, which returns its
   log-sum-exp (`fused_block_kernels`: the very kernel scaled_dot_product_attention runs on the
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from validate.gpt import causal_bias
+from validate.llama import expand_kv
 from validate.training import TensorParallelStep, initialise, synthetic_batches
 
 KV_TAG, DKV_TAG = 1, 2  # two messages may go to the same peer in one step (cp = 2): told apart by tag
@@ -272,6 +275,12 @@ def _halves(x):
     return x.chunk(2, dim=-2)
 
 
+def _fold_heads(grad, kv_heads: int):
+    """A key or value gradient over the query heads summed onto the kv_heads they were expanded from."""
+    heads = grad.shape[1]
+    return grad if heads == kv_heads else grad.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries against every rank's keys and values, [b, heads,
     s/cp, d] each, over the cp group `group` (see the module doc)."""
@@ -293,11 +302,12 @@ class RingAttention(torch.autograd.Function):
             for qi, ki, causal in run:
                 if kernels:
                     block_out, block_lse = kernels[0](q_chunks[qi], k_chunks[ki], v_chunks[ki], causal)
-                else:
-                    scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
+                else:  # grouped-query attention: the block's K and V expanded to the query heads
+                    k_block, v_block = expand_kv(k_chunks[ki], v_chunks[ki], q.shape[1])
+                    scores = _block_scores(q_chunks[qi], k_block, causal)
                     block_lse = torch.logsumexp(scores.float(), dim=-1)
                     probs = torch.exp(scores.float() - block_lse.unsqueeze(-1)).to(v.dtype)
-                    block_out = torch.matmul(probs, v_chunks[ki])
+                    block_out = torch.matmul(probs, v_block)
                 out[qi], lse[qi] = _merge(out[qi], lse[qi], block_out, block_lse)
             for qi, ki in skip:
                 _note_skipped("forward", q_chunks[qi], k_chunks[ki], FORWARD_PRODUCTS)
@@ -345,13 +355,17 @@ class RingAttention(torch.autograd.Function):
                     dk_chunks[ki].add_(dk_b.float())
                     dv_chunks[ki].add_(dv_b.float())
                     continue
-                scores = _block_scores(q_chunks[qi], k_chunks[ki], causal)
+                kv_heads = k_chunks[ki].shape[1]
+                k_block, v_block = expand_kv(k_chunks[ki], v_chunks[ki], q.shape[1])
+                scores = _block_scores(q_chunks[qi], k_block, causal)
                 probs = torch.exp(scores.float() - lse_chunks[qi])
-                dv_chunks[ki].add_(torch.matmul(probs.to(q.dtype).transpose(-2, -1), do_chunks[qi]).float())
-                dprobs = torch.matmul(do_chunks[qi], v_chunks[ki].transpose(-2, -1))
+                dv = torch.matmul(probs.to(q.dtype).transpose(-2, -1), do_chunks[qi]).float()
+                dv_chunks[ki].add_(_fold_heads(dv, kv_heads))
+                dprobs = torch.matmul(do_chunks[qi], v_block.transpose(-2, -1))
                 dscores = (probs * (dprobs.float() - delta_chunks[qi])).to(q.dtype)
-                dq[qi] += torch.matmul(dscores, k_chunks[ki]).float() * scale
-                dk_chunks[ki].add_(torch.matmul(dscores.transpose(-2, -1), q_chunks[qi]).float(), alpha=scale)
+                dq[qi] += torch.matmul(dscores, k_block).float() * scale
+                dk = torch.matmul(dscores.transpose(-2, -1), q_chunks[qi]).float()
+                dk_chunks[ki].add_(_fold_heads(dk, kv_heads), alpha=scale)
             for qi, ki in skip:
                 _note_skipped("backward", q_chunks[qi], k_chunks[ki], BACKWARD_PRODUCTS)
             _wait(pending)
@@ -370,13 +384,14 @@ def ring_attention(q, k, v, group, fused=True):
 def context_parallelize(gpt, group, fused=True):
     """Make `gpt` (validate.gpt.GPT, flash attention, tensor-parallel or not, without SP) one rank of
     the context-parallel `group`: it takes this rank's s/cp tokens (`local_positions`), adds their
-    positions, and runs its attention as `ring_attention` over the group (`fused`: its blocks in the
-    device's fused kernel where there is one, else the explicit block math)."""
+    positions (learned, or rotary: each rank rotates Q and K by its own tokens' places), and runs
+    its attention as `ring_attention` over the group (`fused`: its blocks in the device's fused
+    kernel where there is one, else the explicit block math)."""
     if gpt.cfg.attention != "flash":
         raise ValueError("context parallelism runs ring attention, a fused kernel: it needs attention = flash")
     if gpt.sp:
         raise ValueError("the harness runs context parallelism without sequence parallelism")
-    gpt.positions = local_positions(gpt.cfg.seq, dist.get_world_size(group), dist.get_rank(group))
+    gpt.set_positions(local_positions(gpt.cfg.seq, dist.get_world_size(group), dist.get_rank(group)))
     for block in gpt.blocks:
         block.attn.core = functools.partial(ring_attention, group=group, fused=fused)
     return gpt

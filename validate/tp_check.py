@@ -29,6 +29,7 @@ import dataclasses
 
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import columns_of
+from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.counts import ATTENTION_CORE
 from perfsim.cost.layer import BF16, FP32
 from perfsim.cost.memory import layout_activation_bytes, memory_breakdown, ring_saved_bytes, stage_params
@@ -118,7 +119,10 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     working set (a peak during backward, not saved by the forward). Conventions the real step
     differs in, each a named term: torch's SP keeps the all-gathered QKV and FC1 inputs for the
     weight gradients (Megatron keeps the shard and all-gathers again in backward, which perfsim's
-    memory assumes). (perfsim's head term once also held the bf16 logits, which the cross-entropy
+    memory assumes). Under context parallelism without recomputation, validate.gpt's multi-head
+    attention hands the ring Q as a view of the QKV output, which keeps the rank's own K and V
+    alive with it (Megatron gives the ring a Q of its own, as the Llama-shaped layers do: TE makes
+    it contiguous). (perfsim's head term once also held the bf16 logits, which the cross-entropy
     does not save; the saved-tensor counts here showed it, and perfsim now counts them as a
     one-micro-batch buffer.)"""
     if model.dropout:
@@ -135,10 +139,13 @@ def perfsim_saved_bytes(model, plan: Plan) -> dict:
     working += float(ring_saved_bytes(model, c, kept=False))  # the ring's block, rebuilt by recomputation
     edge = activations - model.layers * layer - working
     gathered = 2 * BF16 * tokens * model.hidden * (1 - 1 / t) if plan.sp and plan.recompute != "full" else 0.0
+    qkv_view = model.kv_head_count == model.heads and model.learned_positions  # validate.gpt.Attention
+    qkv_view = qkv_view and c.cp > 1 and plan.recompute == "none"
+    own_kv = float(kv_block_bytes(model, plan.mbs, c.cp, t)) if qkv_view else 0.0
+    layer_like = layer + gathered + own_kv
     return {"layer": layer, "layers": model.layers * layer, "edge": edge, "working_set": working,
-            "activations": activations, "sp_gathered_inputs_per_layer": gathered,
-            "layer_like": layer + gathered, "edge_like": edge,
-            "like": model.layers * (layer + gathered) + edge}
+            "activations": activations, "sp_gathered_inputs_per_layer": gathered, "ring_own_kv_per_layer": own_kv,
+            "layer_like": layer_like, "edge_like": edge, "like": model.layers * layer_like + edge}
 
 
 # Prices of saved tensors (bytes an element); floating tensors at perfsim's activation dtype.

@@ -224,12 +224,16 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
 
 
 def ring_saved_bytes(model: ModelSpec, c: Columns, element=BF16, kept=True):
-    """The key/value block a layer's ring attention (cp > 1) keeps for backward: the one its
-    forward held last, where the backward's ring starts (Transformer Engine's schedule,
-    docs/equations.md 11.6). Kept from the forward without recomputation; with it (`kept` False)
-    the recomputed forward holds it for its layer's backward alone."""
+    """What a layer's ring attention (cp > 1) keeps for backward beyond perfsim's flash layer: the
+    key/value block its forward held last, where the backward's ring starts (Transformer Engine's
+    schedule, docs/equations.md 11.6). Kept from the forward without recomputation, it takes the
+    place of the rank's own K and V, which the flash layer counts and the ring does not keep (TE
+    saves Q, that block, the output and the log-sum-exp): nothing more. With recomputation (`kept`
+    False) the recomputed forward holds it beside its region's own K and V, for its layer's
+    backward alone."""
     saved = kv_block_bytes(model, c.mbs, c.cp, c.tp, element)
-    return np.where((c.cp > 1) & ((c.recompute == NONE) == kept), saved, 0.0)
+    rebuilt = np.where((c.cp > 1) & (c.recompute != NONE), saved, 0.0)
+    return 0 * rebuilt if kept else rebuilt
 
 
 def ring_attention_buffer_bytes(model: ModelSpec, c: Columns):
