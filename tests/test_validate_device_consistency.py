@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import run_rank_check  # noqa: E402
-from validate.device_check import label_of, plans_at  # noqa: E402
+from validate.device_check import cases_at  # noqa: E402
 from validate.device_consistency import HOST, DeviceConsistency, MixedDevices  # noqa: E402
 from validate.optim import MasterAdam  # noqa: E402
 
@@ -103,18 +103,15 @@ def test_a_dtensors_local_tensor_meets_a_host_tensor(one_rank_group):
             torch.ones(2, 4) @ weight
 
 
-def labels(world: int) -> list:
-    return [label_of(p) for p in plans_at(world)]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_every_plan_kind_keeps_one_device(tmp_path_factory, world):
     """One device: every recompute mode, unfused and flash attention; 2 ranks: 1d (with and without
     SP, every recompute mode, unfused and flash attention), pipelines (GPipe, 1F1B, interleaved),
-    ZeRO 0-3, context parallelism; 4: 2d, context beside tensor and data parallelism; 8: 2.5d, 3d."""
+    ZeRO 0-3, context parallelism; 4: 2d, context beside tensor and data parallelism; 8: 2.5d, 3d;
+    each with the GPT and a Llama-shaped model."""
     data = run_rank_check(tmp_path_factory, "validate.device_check", world)
-    assert data["plans"] == labels(world)
+    assert data["plans"] == [label for label, _, _ in cases_at(world)]
 
 
 def test_calibration_compute_points_and_speed_probes_keep_one_device():
@@ -125,7 +122,7 @@ def test_calibration_compute_points_and_speed_probes_keep_one_device():
     from validate.speed_probe import make_norm_probe, make_probe, make_reference_probes
 
     dev = Device("cpu")
-    points = [Point("gemm", "matmul", dt, _shape(count=count, m=64, n=96, k=32), timing=timing)
+    points = [Point("gemm", "matmul", dt, _shape(count=count, m=128, n=128, k=128), timing=timing)
               for dt in ("fp32", "bf16") for count in (1, 2) for timing in ("", GEMM_TIMING)]
     points += [Point("memory", op, dt, _shape(rows=16, cols=64))
                for dt in ("fp32", "bf16") for op in MEMORY_OPS + BACKWARD_OPS + CROSS_ENTROPY_OPS]

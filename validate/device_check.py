@@ -1,19 +1,24 @@
 """Every plan kind the harness runs, built and stepped under validate.device_consistency, as ranks.
 
-Run as ranks (`python -m validate.device_check OUT`, launched by validate.launcher.launch_ranks;
-tests/test_validate_device_consistency.py). Each rank builds every plan of its world size
-(`plans_at`) with validate.steps.build_step, the builder `perfsim validate` uses, and runs its
-optimizer steps (`steps_of`), all inside DeviceConsistency: an op that would meet tensors of two
-devices on a GPU raises MixedDevices, naming the plan, and the rank fails. Rank 0 writes
-{"world": P, "model": spec, "plans": [labels run]}.
+Run as ranks (`python -m validate.device_check OUT [--model gpt,llama]`, launched by
+validate.launcher.launch_ranks; tests/test_validate_device_consistency.py). Each rank builds every
+plan of its world size (`plans_at`) for each model (MODELS) with validate.steps.build_step, the
+builder `perfsim validate` uses, and runs its optimizer steps (`steps_of`), all inside
+DeviceConsistency: an op that would meet tensors of two devices on a GPU raises MixedDevices,
+naming the model and plan, and the rank fails. Rank 0 writes {"world": P, "models": names,
+"plans": [labels run]}.
 """
 
 from __future__ import annotations
 
-MODEL = "hidden=64,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false"  # the layers: model_of
+# the models every plan runs with (their layers: model_of): the GPT and a Llama-shaped one (grouped
+# queries, rotary positions, RMSNorm, SwiGLU, no biases)
+MODELS = {"gpt": "hidden=64,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false",
+          "llama": "hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+                   "learned_positions=false,seq=16,vocab=512,tied_embeddings=false,dropout=false"}
 
 
-def model_of(plan, spec: str = MODEL):
+def model_of(plan, spec: str):
     """The model a plan runs here: the fewest layers it takes, one per pipeline stage (a layer
     shows every op a layer runs; the CI machine's few cores run every rank)."""
     from perfsim.spec.model import load_model
@@ -21,7 +26,7 @@ def model_of(plan, spec: str = MODEL):
     return load_model(f"layers={plan.pp * plan.vpp},{spec}")
 
 
-def plans_at(world: int, spec: str = MODEL) -> list:
+def plans_at(world: int, spec: str) -> list:
     """The plans run at `world` ranks: perfsim validate's default plans at 1 and 2 devices (1d
     tensor parallelism with and without SP under every recompute mode, unfused and flash
     attention, the three pipeline schedules, ZeRO 0-3, context parallelism); at 4 its 2d plan and
@@ -56,37 +61,41 @@ def label_of(plan) -> str:
     return plan_label(plan) + (" flash" if plan.attention == "flash" else "")
 
 
-def run_plans(plans, spec: str = MODEL, device="cpu", dtype_name: str = "bf16") -> list:
-    """Build and step each plan (of model_of(plan, spec)) on this rank under DeviceConsistency; the
-    labels of those run."""
+def cases_at(world: int, models=tuple(MODELS)) -> list:
+    """(label, model spec, plan) of every plan at `world` ranks with each of `models`."""
+    return [(f"{name} {label_of(plan)}", MODELS[name], plan)
+            for name in models for plan in plans_at(world, MODELS[name])]
+
+
+def run_cases(cases, device="cpu", dtype_name: str = "bf16") -> list:
+    """Build and step each case's plan (of model_of(plan, spec)) on this rank under
+    DeviceConsistency; the labels of those run."""
     import torch
 
     from validate.device_consistency import DeviceConsistency, MixedDevices
     from validate.steps import DTYPES, build_step
+
     dtype = getattr(torch, DTYPES[dtype_name])
-    done = []
-    for plan in plans:
-        label = label_of(plan)
+    for label, spec, plan in cases:
         try:
             with DeviceConsistency():
                 step = build_step(plan, model_of(plan, spec), torch.device(device), dtype)
                 for _ in range(steps_of(plan)):
                     step.run()
         except MixedDevices as e:
-            raise MixedDevices(f"plan {label}: {e}") from None
-        done.append(label)
-    return done
+            raise MixedDevices(f"{label}: {e}") from None
+    return [label for label, _, _ in cases]
 
 
 def main(argv=None) -> int:
     from validate.ranks import check_parser, gloo_ranks, write_on_rank0
 
-    args = check_parser("python -m validate.device_check", MODEL,
+    args = check_parser("python -m validate.device_check", ",".join(MODELS),
                         "'all' (every plan of the world size) or a comma list of their labels").parse_args(argv)
     with gloo_ranks(args.timeout) as ranks:
         chosen = args.cases.split(",")
-        plans = [p for p in plans_at(ranks.world, args.model) if args.cases == "all" or label_of(p) in chosen]
-        write_on_rank0(ranks, args.out, model=args.model, plans=run_plans(plans, args.model))
+        cases = [c for c in cases_at(ranks.world, args.model.split(",")) if args.cases == "all" or c[0] in chosen]
+        write_on_rank0(ranks, args.out, models=args.model, plans=run_cases(cases))
     return 0
 
 
