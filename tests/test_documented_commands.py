@@ -30,6 +30,9 @@ NOT_RUN = {
     "perfsim calibrate --device cpu --nproc 2 --suites memory --no-fit --ledger hwprofiles/ledgers/calibration-cpu.jsonl":
         MINUTES + "; it would also append to the committed ledger",
     "perfsim validate --device cpu --nproc 2": "runs real training steps of 15 plans on torch ranks: minutes",
+    "perfsim validate --device cpu --nproc 2 --plans tp=2;pp=2,gbs=8 --model layers=2,hidden=64,heads=8,kv_heads=2,"
+    "ffn=160,activation=swiglu,norm=rmsnorm,bias=false,learned_positions=false,tied_embeddings=false,dropout=false,"
+    "seq=32,vocab=512": "real training steps on torch ranks (tests/test_validate_llama.py runs such a command)",
     "perfsim calibrate --device cpu --nproc 2 --system cpu-calibrated --out cpu-HOST.toml":
         MINUTES + " (the command validate's mismatch warning prints)",
     "perfsim validate --device cpu --nproc 2 --steps 4 --rounds 6 --ledger hwprofiles/ledgers/validation-cpu.jsonl":
