@@ -73,9 +73,14 @@ class StandIns:
         self._check_rng(a["philox_seed"], a["philox_offset"])
         return cpu_backward(a, a["grad_out"], a["logsumexp"])
 
+    @staticmethod
+    def _as_many_heads(a):
+        assert a["query"].shape[1] == a["key"].shape[1] == a["value"].shape[1], "the kernel takes no grouped queries"
+
     def _scaled_dot_product_efficient_attention(self, *args, **kwargs):
         a = bind("_scaled_dot_product_efficient_attention", args, kwargs)
         assert a["compute_log_sumexp"] and a["attn_bias"] is None
+        self._as_many_heads(a)
         self.calls.append("efficient")
         out, lse = cpu_forward(a)
         s = lse.shape[-1]
@@ -102,6 +107,7 @@ class StandIns:
 
     def _scaled_dot_product_fused_attention_overrideable_backward(self, *args, **kwargs):
         a = bind("_scaled_dot_product_fused_attention_overrideable_backward", args, kwargs)
+        self._as_many_heads(a)
         assert a["logsumexp"].shape == (*a["query"].shape[:3], 1)  # the XPU kernel asserts this layout
         assert a["grad_input_mask"] == [True, True, True, False]
         self._check_rng(a["philox_seed"], a["philox_offset"])
@@ -117,7 +123,7 @@ def fake(kind: str, dtype=torch.float32):
 def gpu(monkeypatch):
     """Pretend the device's torch has every kernel and scaled_dot_product_attention picks `backend`."""
     def pick(backend, present=True):
-        monkeypatch.setattr(cp, "_sdpa_backend", lambda q: backend)
+        monkeypatch.setattr(cp, "_sdpa_backend", lambda q, k=None: backend)
         monkeypatch.setattr(cp, "_has_kernel", lambda name, key: present)
     return pick
 
@@ -128,7 +134,7 @@ def gpu(monkeypatch):
 def test_a_gpu_block_runs_the_kernel_sdpa_picks(gpu, kind, backend, called):
     gpu(backend)
     ops = StandIns()
-    forward, _ = cp.fused_block_kernels(fake(kind), ops)
+    forward, _ = cp.fused_block_kernels(fake(kind), ops=ops)
     q = torch.randn(B, HEADS, C, D)
     out, lse = forward(q, q, q, True)
     assert ops.calls == [called]
@@ -138,12 +144,12 @@ def test_a_gpu_block_runs_the_kernel_sdpa_picks(gpu, kind, backend, called):
 @pytest.mark.parametrize("backend", [0, 3, -1, None])  # math, cuDNN, error, nothing to ask
 def test_explicit_math_where_sdpa_picks_no_wired_kernel(gpu, backend):
     gpu(backend)
-    assert cp.fused_block_kernels(fake("cuda"), StandIns()) is None
+    assert cp.fused_block_kernels(fake("cuda"), ops=StandIns()) is None
 
 
 def test_explicit_math_where_torch_lacks_the_kernels(gpu):
     gpu(cp.OVERRIDEABLE, present=False)
-    assert cp.fused_block_kernels(fake("xpu"), StandIns()) is None
+    assert cp.fused_block_kernels(fake("xpu"), ops=StandIns()) is None
 
 
 def test_explicit_math_on_other_devices_and_this_builds_gpus():
@@ -155,9 +161,11 @@ def test_explicit_math_on_other_devices_and_this_builds_gpus():
 
 
 def test_the_choice_is_asked_of_scaled_dot_product_attention(monkeypatch):
-    """_sdpa_backend's call goes through the real op (here its CPU kernel, which picks flash)."""
+    """_sdpa_backend's call goes through the real op (here its CPU kernel, which picks flash), with
+    grouped queries too."""
     monkeypatch.setattr(cp, "_DISPATCH_KEYS", {"cpu": "CPU"})
-    assert cp._sdpa_backend(torch.randn(B, HEADS, 2 * C, D)) == cp.FLASH
+    q = torch.randn(B, HEADS, 2 * C, D)
+    assert cp._sdpa_backend(q) == cp._sdpa_backend(q, q) == cp._sdpa_backend(q, q[:, :1]) == cp.FLASH
 
 
 def ring_step(q, k, v, group):
@@ -169,18 +177,22 @@ def ring_step(q, k, v, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind, backend", [("cuda", cp.FLASH), ("cuda", cp.EFFICIENT), ("xpu", cp.OVERRIDEABLE)])
-def test_ring_through_gpu_kernels_equals_the_cpu_kernel(monkeypatch, one_rank_group, kind, backend, dtype):
+@pytest.mark.parametrize("kind, backend, kv_heads", [("cuda", cp.FLASH, HEADS), ("cuda", cp.EFFICIENT, HEADS),
+                                                     ("xpu", cp.OVERRIDEABLE, HEADS), ("cuda", cp.FLASH, 1)])
+def test_ring_through_gpu_kernels_equals_the_cpu_kernel(monkeypatch, one_rank_group, kind, backend, kv_heads, dtype):
+    """kv_heads 1: grouped-query attention, which flash attention takes as it is (SDPA picks the
+    others only for as many key as query heads)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, HEADS, 2 * C, D, generator=g).to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(B, h, 2 * C, D, generator=g).to(dtype) for h in (HEADS, kv_heads, kv_heads))
     cpu = ring_step(q, k, v, one_rank_group)
-    reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                                 enable_gqa=True)
     assert torch.allclose(cpu[0].float(), reference, atol=1e-5 if dtype == torch.float32 else 2e-2)
     ops = StandIns()
     real = cp.fused_block_kernels
-    monkeypatch.setattr(cp, "_sdpa_backend", lambda q: backend)
+    monkeypatch.setattr(cp, "_sdpa_backend", lambda q, k=None: backend)
     monkeypatch.setattr(cp, "_has_kernel", lambda name, key: True)
-    monkeypatch.setattr(cp, "fused_block_kernels", lambda q: real(fake(kind, q.dtype), ops))
+    monkeypatch.setattr(cp, "fused_block_kernels", lambda q, k=None: real(fake(kind, q.dtype), k, ops))
     through = ring_step(q, k, v, one_rank_group)
     assert len(ops.calls) == 3  # the ring's three blocks
     # the same kernel's numbers; the log-sum-exp's memory layout may pick another vectorised loop in

@@ -107,7 +107,7 @@ def _block_scores(q, k, causal: bool):
     return scores
 
 
-def fused_block_kernels(q, ops=None):
+def fused_block_kernels(q, k=None, ops=None):
     """(forward, backward) of the device's fused causal attention kernel that returns its
     log-sum-exp, for ring blocks of `q`'s device and dtype, or None: the explicit block math then
     runs (_block_scores, softmax, two products).
@@ -127,7 +127,9 @@ def fused_block_kernels(q, ops=None):
     c]; the backward takes the merged ones and gives the merged log-sum-exp to the kernel in the
     layout the kernel's forward returned (memory-efficient attention pads the rows to a multiple of
     32 on CUDA; the XPU kernel adds a trailing dimension of 1), with the forward's random-number
-    state (unused: no dropout). `ops`: the aten namespace (tests substitute stand-ins)."""
+    state (unused: no dropout). `k`: keys of the blocks, fewer heads than `q`'s under grouped-query
+    attention (a kernel that takes them as they are is chosen); `ops`: the aten namespace (tests
+    substitute stand-ins)."""
     ops = torch.ops.aten if ops is None else ops
     if q.device.type == "cpu":
         if q.dtype not in (torch.float32, torch.bfloat16) or not hasattr(
@@ -141,7 +143,7 @@ def fused_block_kernels(q, ops=None):
             return ops._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
 
         return forward, backward
-    backend = _sdpa_backend(q)
+    backend = _sdpa_backend(q, k)
     if backend not in GPU_BLOCK_OPS or not all(_has_kernel(name, _DISPATCH_KEYS[q.device.type])
                                                for name in GPU_BLOCK_OPS[backend]):
         return None
@@ -168,17 +170,20 @@ def _has_kernel(name: str, key: str) -> bool:
         return False
 
 
-def _sdpa_backend(q) -> int | None:
-    """The backend scaled_dot_product_attention runs causal attention of `q`'s ring blocks in on
-    its GPU, asked with inputs that require grad (a kernel without a backward for the shape is not
-    chosen); None without a choice to ask (no kernels for the device, every backend switched off)."""
+def _sdpa_backend(q, k=None) -> int | None:
+    """The backend scaled_dot_product_attention runs causal attention of `q`'s ring blocks (against
+    `k`'s, its heads by default) in on its GPU, asked with inputs that require grad (a kernel without
+    a backward for the shape is not chosen); None without a choice to ask (no kernels for the
+    device, every backend switched off)."""
     key = _DISPATCH_KEYS.get(q.device.type)
     if key is None or not _has_kernel("_fused_sdp_choice", key):
         return None
-    block = _halves(q)[0].detach().requires_grad_()
+    q_block = _halves(q)[0].detach().requires_grad_()
+    k_block = q_block if k is None else _halves(k)[0].detach().requires_grad_()
+    grouped = {"enable_gqa": True} if k_block.shape[1] != q_block.shape[1] else {}
     try:
         with torch.enable_grad():
-            return int(torch.ops.aten._fused_sdp_choice(block, block, block, None, 0.0, True))
+            return int(torch.ops.aten._fused_sdp_choice(q_block, k_block, k_block, None, 0.0, True, **grouped))
     except RuntimeError:
         return None
 
@@ -288,7 +293,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, fused=True):
         ring = _Ring(group)
-        kernels = fused_block_kernels(q) if fused else None
+        kernels = fused_block_kernels(q, k) if fused else None
         kv = torch.stack([k, v])  # one message a step: keys and values of this rank's s/cp tokens
         q_chunks = _halves(q)
         out = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
