@@ -62,29 +62,56 @@ def label_of(plan) -> str:
 
 
 def cases_at(world: int, models=tuple(MODELS)) -> list:
-    """(label, model spec, plan) of every plan at `world` ranks with each of `models`."""
-    return [(f"{name} {label_of(plan)}", MODELS[name], plan)
-            for name in models for plan in plans_at(world, MODELS[name])]
+    """(label, run) of every plan at `world` ranks with each of `models`, and at 2 ranks the
+    calibration's tensor-parallel overhead layers (validate.tp_overhead, DTensor's and Megatron's
+    layer timed in turn); run(device, dtype) builds and steps it."""
+    import functools
+
+    cases = [(f"{name} {label_of(plan)}", functools.partial(_steps, plan, MODELS[name]))
+             for name in models for plan in plans_at(world, MODELS[name])]
+    if world == 2:
+        from validate.microbench import TP_OVERHEAD_LAYOUTS
+
+        cases += [(f"tp_overhead {layout}", functools.partial(_tp_overhead, layout))
+                  for layout in TP_OVERHEAD_LAYOUTS]
+    return cases
+
+
+def _steps(plan, spec: str, device, dtype) -> None:
+    from validate.steps import build_step
+
+    step = build_step(plan, model_of(plan, spec), device, dtype)
+    for _ in range(steps_of(plan)):
+        step.run()
+
+
+def _tp_overhead(layout: str, device, dtype) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from validate.device import Device
+    from validate.gpt import GPTConfig
+    from validate.tp_overhead import measure_layer
+
+    measure_layer(torch, Device(device.type), dist.group.WORLD, GPTConfig(1, 64, 4, 16, 64), layout == "1d_sp", 2,
+                  dtype, repeats=1)
 
 
 def run_cases(cases, device="cpu", dtype_name: str = "bf16") -> list:
-    """Build and step each case's plan (of model_of(plan, spec)) on this rank under
-    DeviceConsistency; the labels of those run."""
+    """Run each case on this rank under DeviceConsistency; the labels of those run."""
     import torch
 
     from validate.device_consistency import DeviceConsistency, MixedDevices
-    from validate.steps import DTYPES, build_step
+    from validate.steps import DTYPES
 
     dtype = getattr(torch, DTYPES[dtype_name])
-    for label, spec, plan in cases:
+    for label, run in cases:
         try:
             with DeviceConsistency():
-                step = build_step(plan, model_of(plan, spec), torch.device(device), dtype)
-                for _ in range(steps_of(plan)):
-                    step.run()
+                run(torch.device(device), dtype)
         except MixedDevices as e:
             raise MixedDevices(f"{label}: {e}") from None
-    return [label for label, _, _ in cases]
+    return [label for label, _ in cases]
 
 
 def main(argv=None) -> int:

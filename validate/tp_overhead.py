@@ -159,7 +159,8 @@ def time_layers(torch, device, blocks: dict, x, repeats: int, budget_s: float = 
             out.backward(torch.ones_like(out))
             device.sync()
             end = time.perf_counter()
-            pair = torch.tensor([mid - start, end - mid], dtype=torch.float64)
+            # on the device: NCCL and XCCL take no CPU tensor (validate.steps' job_wide does the same)
+            pair = torch.tensor([mid - start, end - mid], dtype=torch.float64, device=device.torch_device)
             dist.all_reduce(pair, op=dist.ReduceOp.MAX)
             if i:
                 times[name][0].append(float(pair[0]))
