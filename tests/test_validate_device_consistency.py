@@ -108,9 +108,9 @@ def test_a_dtensors_local_tensor_meets_a_host_tensor(one_rank_group):
 def test_every_plan_kind_keeps_one_device(tmp_path_factory, world):
     """One device: every recompute mode, unfused and flash attention; 2 ranks: 1d (with and without
     SP, every recompute mode, unfused and flash attention), pipelines (GPipe, 1F1B, interleaved),
-    ZeRO 0-3, context parallelism, and the calibration's tensor-parallel overhead layers; 4: 2d,
-    context beside tensor and data parallelism; 8: 2.5d, 3d; each plan with the GPT and a
-    Llama-shaped model."""
+    ZeRO 0-3, context parallelism, the calibration's tensor-parallel overhead layers and its
+    collectives; 4: 2d, context beside tensor and data parallelism; 8: 2.5d, 3d; each plan with the
+    GPT and a Llama-shaped model."""
     data = run_rank_check(tmp_path_factory, "validate.device_check", world)
     assert data["plans"] == [label for label, _ in cases_at(world)]
 

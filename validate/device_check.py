@@ -64,7 +64,7 @@ def label_of(plan) -> str:
 def cases_at(world: int, models=tuple(MODELS)) -> list:
     """(label, run) of every plan at `world` ranks with each of `models`, and at 2 ranks the
     calibration's tensor-parallel overhead layers (validate.tp_overhead, DTensor's and Megatron's
-    layer timed in turn); run(device, dtype) builds and steps it."""
+    layer timed in turn) and its collectives; run(device, dtype) builds and steps it."""
     import functools
 
     cases = [(f"{name} {label_of(plan)}", functools.partial(_steps, plan, MODELS[name]))
@@ -73,7 +73,7 @@ def cases_at(world: int, models=tuple(MODELS)) -> list:
         from validate.microbench import TP_OVERHEAD_LAYOUTS
 
         cases += [(f"tp_overhead {layout}", functools.partial(_tp_overhead, layout))
-                  for layout in TP_OVERHEAD_LAYOUTS]
+                  for layout in TP_OVERHEAD_LAYOUTS] + [("collectives", _collectives)]
     return cases
 
 
@@ -95,6 +95,23 @@ def _tp_overhead(layout: str, device, dtype) -> None:
 
     measure_layer(torch, Device(device.type), dist.group.WORLD, GPTConfig(1, 64, 4, 16, 64), layout == "1d_sp", 2,
                   dtype, repeats=1)
+
+
+def _collectives(device, dtype) -> None:
+    """Each of the calibration's collectives once as a step issues it, and those it times beside
+    compute once that way (validate.microbench.Communicator)."""
+    import torch
+    import torch.distributed as dist
+
+    from validate.device import Device
+    from validate.microbench import COLLECTIVES, CONCURRENT_OPS, Communicator, Point, _shape
+
+    comm = Communicator(torch, Device(device.type), dist.get_rank(), dist.get_world_size(), [(2, 1)])
+    for op in COLLECTIVES:
+        point = Point("collective", op, "bf16", _shape(nbytes=4096), group=(2, 1))
+        comm.make(point)()
+        if op in CONCURRENT_OPS:
+            comm.time_concurrent(point, rounds=1, warmup=1)
 
 
 def run_cases(cases, device="cpu", dtype_name: str = "bf16") -> list:
