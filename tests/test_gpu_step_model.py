@@ -249,3 +249,46 @@ def test_the_harness_is_priced_as_it_trains_on_each_device():
     assert (cpu.host_overlap, cpu.autocast) == (0.0, 0.0) and (gpu.host_overlap, gpu.autocast) == (1.0, 1.0)
     assert oh.as_trained(load_system("dgx-h100"), "fp32", "cuda").framework.autocast == 0.0  # fp32: no autocast
     assert cpu.optimizer_bytes_per_param == 40 and cpu.grad_accumulation_bytes_per_param == 6
+
+
+# --- the host's time per layer, by what the layer dispatches ---
+
+def test_the_harness_layer_dispatches_the_ops_perfsim_scales_its_host_time_by():
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from perfsim.cost.host import HARNESS_LAYER_OPS
+    from validate.gpt import GPT, GPTConfig
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(layers, recompute, attention):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_spec(load_model(oh.CALIBRATION_MODEL.format(layers=layers)), 1, recompute,
+                                        attention)).to(torch.bfloat16)
+        tokens = torch.randint(0, 2048, (1, 128))
+        Count.n = 0
+        with Count():
+            model.loss(tokens, tokens).backward()
+        return Count.n
+
+    ops(1, "none", "unfused")  # one-off work (the causal mask, built once per shape) before counting
+    for attention, counts in HARNESS_LAYER_OPS.items():
+        assert tuple(ops(2, rc, attention) - ops(1, rc, attention) for rc in ("none", "selective", "full")) == counts
+
+
+def test_the_host_time_of_a_layer_follows_its_ops():
+    model = load_model(GPT)
+    system = _with(load_system("dgx-h100"), layer_overhead_s=1e-3, step_overhead_s=0.0)
+    base = predict(model, system, Plan(mbs=1, gbs=1))
+    kernels = predict(model, _with(system, layer_overhead_s=0.0), Plan(mbs=1, gbs=1))
+    assert base.step_time_s - kernels.step_time_s == pytest.approx(4 * 1e-3)
+    for attention, recompute, ops in (("flash", "none", 93), ("unfused", "full", 189), ("flash", "selective", 100)):
+        plan = Plan(mbs=1, gbs=1, attention=attention, recompute=recompute)
+        host = predict(model, system, plan).step_time_s - predict(model, _with(system, layer_overhead_s=0.0), plan).step_time_s
+        assert host == pytest.approx(4 * 1e-3 * ops / 116)

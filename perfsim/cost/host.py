@@ -14,16 +14,47 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfsim.cost.columns import FULL, NONE
+
+
+# Dispatched ATen ops of one layer's forward and backward in eager PyTorch (validate.gpt's GPT layer,
+# one micro-batch on one device), with the unfused or the fused (flash) attention core, without,
+# with selective and with full recomputation; counted on torch 2.13's CPU build (tests/
+# test_gpu_step_model.py counts them again). layer_overhead_s is measured on the calibration model's
+# layer (unfused, no recomputation): the host's time per layer scales with these counts (docs/
+# equations.md 8.2). A fused kernel replaces a chain of ops; recomputation replays the forward's ops,
+# and checkpointing adds its own, in backward (a Llama-shaped layer dispatches about twice as many
+# ops in each variant, in nearly the same ratios: 227, 251, 341 and 190, 197, 286).
+HARNESS_LAYER_OPS = {"unfused": (116, 132, 189), "flash": (93, 100, 156)}
+
+
+def _op_share(c, recompute):
+    """HARNESS_LAYER_OPS of each plan's attention under `recompute` (codes, numbers or arrays) over
+    the calibration layer's (unfused, no recomputation)."""
+    unfused, flash = (np.array(HARNESS_LAYER_OPS[k], float) for k in ("unfused", "flash"))
+    return np.where(c.flash, flash[recompute], unfused[recompute]) / unfused[0]
+
 
 def layer_host_overhead(system, c):
     """Host seconds one layer's forward and backward of a micro-batch pay beyond their kernels and
-    collectives: the profile's layer_overhead_s (any plan: autograd and module dispatch, docs/
-    equations.md 8.2), plus what a tensor-parallel implementation adds, tp_layer_overhead_s
-    (sp_layer_overhead_s with SP) in 1d with t > 1 (Megatron-LM's layers and the 2d/2.5d/3d ones
-    add none, 8.1)."""
+    collectives, recomputation aside: the profile's layer_overhead_s (any plan: autograd and module
+    dispatch, docs/equations.md 8.2) scaled by the ops the plan's attention dispatches, plus what a
+    tensor-parallel implementation adds, tp_layer_overhead_s (sp_layer_overhead_s with SP) in 1d
+    with t > 1 (Megatron-LM's layers and the 2d/2.5d/3d ones add none, 8.1)."""
     fw = system.framework
     per_layer = np.where(c.sp, fw.sp_layer_overhead_s, fw.tp_layer_overhead_s)
-    return np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0) + fw.layer_overhead_s
+    return (np.where((c.tp_mode == "1d") & (c.tp > 1), per_layer, 0.0)
+            + fw.layer_overhead_s * _op_share(c, NONE + 0 * c.recompute))
+
+
+def recompute_host_overhead(system, c, host):
+    """Host seconds recomputation adds to one layer's backward: the loop's by the extra ops the
+    plan's recomputation dispatches (HARNESS_LAYER_OPS), and with full recomputation a third of
+    the tensor-parallel implementation's, whose forward runs again (`host`: layer_host_overhead)."""
+    fw = system.framework
+    loop = fw.layer_overhead_s * _op_share(c, NONE + 0 * c.recompute)
+    extra = fw.layer_overhead_s * (_op_share(c, c.recompute) - _op_share(c, NONE + 0 * c.recompute))
+    return extra + np.where(c.recompute == FULL, (host - loop) / 3, 0.0)
 
 
 def shown_share(host, device, overlap):

@@ -13,13 +13,15 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from perfsim.cost import clocks, contention
 from perfsim.cost import tensor_parallel as tpc
+from perfsim.cost.attention_dropout import fused_dropout_work
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import gradient_accumulation_time, microbatch_reduction_time, zero3_units
-from perfsim.cost.host import layer_host_overhead, shown_share
-from perfsim.cost.layer import Work, embedding_work, gemm_pass_times, head_memory_ops, layer_memory_ops, work
+from perfsim.cost.host import layer_host_overhead, recompute_host_overhead, shown_share
+from perfsim.cost.layer import Work, embedding_work, gemm_pass_times, head_memory_ops, layer_memory_ops
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.spec.model import ModelSpec
@@ -64,7 +66,10 @@ class StageCosts:
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
     dev, comm = system.device, CommModel(system)
-    eta = system.collectives.overlap_or_perfect()  # what overlapped communication hides (overlap.py)
+    # what overlapped communication hides (overlap.py), less the SMs its kernels hold (contention.py)
+    eta_tp, eta_cp = contention.overlap_efficiency(system, "tp"), contention.overlap_efficiency(system, "cp")
+    # the SM clock of a multi-GPU job against the kernel rates' (clocks.py)
+    clock = clocks.clock_ratio(system, c)
     # a context-parallel rank's work is that of mbs/cp whole sequences (its s/cp tokens of each, and
     # by causal load balancing 1/cp of their attention): every per-token cost below takes b = mbs/cp
     b, t, p = c.mbs / c.cp, c.tp, c.pp
@@ -74,26 +79,28 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
 
     gemms = tpc.layer_gemms(layout, model, b, c.cp)
     autocast = system.framework.autocast
-    layer = work(dev, peak_flops, gemms, layer_memory_ops(model, b, layout.split, layout.region_split, c.element, autocast),
-                 c.flash, c.fp8)
+    layer = clocks.clocked_work(clock, dev, peak_flops, gemms,
+                                layer_memory_ops(model, b, layout.split, layout.region_split, c.element, autocast),
+                                c.flash, c.fp8, fused_dropout_work(dev, peak_flops, model, gemms, c.flash))
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b, c.element)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
         overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
                                                              c.element * b * model.seq * model.hidden, tp_time, c.fp8,
-                                                             eta)
+                                                             eta_tp, clock)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
-    # the host time a DTensor-style 1d implementation adds to each layer, a third in forward
-    # (docs/equations.md 8.1); it runs again with a fully recomputed forward
+    # the host time of each layer, a third in forward (docs/equations.md 8.1-8.2), and what
+    # recomputation adds to it in backward
     host = layer_host_overhead(system, c)
     host_fwd, host_bwd = host / 3, 2 * host / 3
-    recompute = np.where(c.recompute == FULL, layer.time_s + host_fwd,
-                         np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0))
+    recompute_host = recompute_host_overhead(system, c, host)
+    recompute = np.where(c.recompute == FULL, layer.time_s, np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0)) \
+        + recompute_host
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
     # ring attention beside the attention blocks; recomputation (full or selective) runs the
     # attention core again, and its ring with it
-    layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s, eta)
+    layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s, eta_cp)
     recompute_cp = np.where(c.recompute == NONE, 0.0, layer_cp_fwd)
     n = 1.0  # `middle` is one layer until each stage takes its own count of layers below (_times)
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
@@ -105,7 +112,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                        forward_cp=n * layer_cp_fwd, weight_grad=n * layer.weight_grad_s)
     # recomputation repeats the layer's kernels: they rest on the curves in the layer's proportion
     # (host time is measured: no curve)
-    kernels = n * (layer.time_s + layer.backward_s) + middle.recompute - n * np.where(c.recompute == FULL, host_fwd, 0.0)
+    kernels = n * (layer.time_s + layer.backward_s) + middle.recompute - n * recompute_host
     middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * kernels
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
@@ -120,8 +127,8 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     emb = embedding_work(model, dev, b, layout.region_split, c.element)
     emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b, c.element)
     vocab = model.padded_vocab(t)
-    head = work(dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
-                head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
+    head = clocks.clocked_work(clock, dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
+                               head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
     head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
     layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
     middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
@@ -136,7 +143,6 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                            for stage, params in ((middle, params_middle), (first, params_first), (last, params_last)))
     # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
     loop = system.framework.microbatch_overhead_s
-    recompute_host = np.where(c.recompute == FULL, host_fwd, 0.0)
     middle, first, last = (_host_beside_device(stage, stage_layer_count(model, c, name), host, recompute_host, loop,
                                                system.framework.host_overlap)
                            for stage, name in ((middle, "middle"), (first, "first"), (last, "last")))
@@ -150,20 +156,21 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
 
 
 def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0,
-                        efficiency=1.0) -> tuple:
+                        efficiency=1.0, clock=1.0) -> tuple:
     """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
     (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
     column-parallel GEMM it feeds (QKV, FC1), each reduce-scatter with the row-parallel GEMM it
     leaves (projection, FC2), and likewise backward beside those GEMMs' two backward products;
     what a GEMM cannot hide, and always one chunk, stays exposed, and the 1 - `efficiency` share of
-    the rest (collectives.overlap_efficiency; docs/equations.md 4.2, 6.1). `gemms`:
-    the layer's GEMMs (tensor_parallel.layer_gemms); `activation_bytes`: the [b, s, h] tensor."""
+    the rest (collectives.overlap_efficiency less the SMs the kernels hold, contention.py; docs/equations.md 4.2,
+    6.1). `gemms`: the layer's GEMMs (tensor_parallel.layer_gemms), at the SM clock ratio `clock`
+    (clocks.py); `activation_bytes`: the [b, s, h] tensor."""
     gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation_bytes)])
     scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
     times = {}
     for g in gemms:
         forward, _, first, second, _ = gemm_pass_times(device, peak_flops, g, fp8)  # fp8: layer.gemm_rate
-        times[g.name] = (forward, first + second)
+        times[g.name] = (forward / clock, (first + second) / clock)
     pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
     t = layout.size
     forward = sum(overlapped_exposure(comm, times[name][0], t, efficiency) for comm, name in pairs)
