@@ -46,6 +46,10 @@ SYNOPSES = {
     "perfsim validate --device cpu --nproc 2 [--model SPEC] [--plans tp=2,sp=true;pp=2,gbs=8] [--steps 3] "
     "[--warmup 1] [--rounds 1] [--ledger validation-cpu.jsonl] [--timeout 300] [--json]":
         (None, "a synopsis of real training steps on torch ranks: minutes"),
+    "perfsim validate --device cuda --nproc 1 --system h200.toml --model M --plans P --steps 5 --speed-tolerance inf "
+    "--ledger copy-of-validation.jsonl":
+        (None, "reads the H200's nine steps back from a copy of their ledger, each model with its plans "
+               "(tests/test_h200_ledger.py runs it)"),
     "perfsim validate --device cpu --nproc 2 ... --system cpu-HOST.toml":
         (None, "validate's mismatch warning ('...': the options of the run just made); real training steps: minutes"),
     "perfsim validate --megatron-log train.log --model sc21-1.7b --system dgx-a100 --devices 8 --tp 2 --mbs 4 "

@@ -32,7 +32,8 @@ def _op_share(c, recompute):
     """HARNESS_LAYER_OPS of each plan's attention under `recompute` (codes, numbers or arrays) over
     the calibration layer's (unfused, no recomputation)."""
     unfused, flash = (np.array(HARNESS_LAYER_OPS[k], float) for k in ("unfused", "flash"))
-    return np.where(c.flash, flash[recompute], unfused[recompute]) / unfused[0]
+    index = np.asarray(recompute).astype(int)  # a search's columns hold codes as floats
+    return np.where(c.flash, flash[index], unfused[index]) / unfused[0]
 
 
 def layer_host_overhead(system, c):
