@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfsim.cost.columns import FULL, Columns, stage_layer_count
+from perfsim.cost.contention import overlap_efficiency
 from perfsim.cost.layer import MemoryOp, memory_time
 from perfsim.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from perfsim.cost.overlap import overlapped_exposure
@@ -82,7 +83,7 @@ def microbatch_reduction_time(system: System, comm, c: Columns, params, busy, ba
     zero3_overlap share of them that hides behind the `busy` compute time; FSDP2's buffer copies,
     which run on the compute stream and never hide."""
     scatter2, _ = zero_microbatch_times(system, comm, c, params, units if is_fsdp2(system) else 1)
-    eta = system.collectives.overlap_or_perfect()
+    eta = overlap_efficiency(system, "dp")  # less the SMs NCCL's channels hold beside the compute
     zero2 = np.where(c.dp_overlap, overlapped_exposure(scatter2, backward, buckets, eta), scatter2)
     scatters, gather = zero_microbatch_times(system, comm, c, params, units)
     gathers = zero3_gathers(system, c) * gather

@@ -16,7 +16,7 @@ def overlapped_exposure(total, window, pieces, efficiency=1.0):
     that phase reaches it), one after another on a stream of their own: the last piece always,
     whatever does not fit behind the window, and the 1 - `efficiency` share of what does."""
     ideal = np.maximum(total / pieces, total - window * (pieces - 1) / pieces)
-    if efficiency == 1.0:  # a profile without the number (the search's usual case): no extra work
+    if np.ndim(efficiency) == 0 and efficiency == 1.0:  # a profile without the number (the search's usual case)
         return ideal
     return ideal + (1.0 - efficiency) * (total - ideal)
 
@@ -26,6 +26,6 @@ def ring_exposure(transfer, block, steps, efficiency=1.0):
     issued as a compute block of `block` seconds starts and needed when the next one starts (ring
     attention, docs/equations.md 11.4): every step waits for what its transfer outlasts its block,
     and for the 1 - `efficiency` share of the shorter of the two."""
-    if efficiency == 1.0:
+    if np.ndim(efficiency) == 0 and efficiency == 1.0:
         return steps * np.maximum(transfer - block, 0.0)
     return steps * (np.maximum(transfer - block, 0.0) + (1.0 - efficiency) * np.minimum(transfer, block))

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfsim.cost.contention import overlap_efficiency
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns, stage_layer_count
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
 from perfsim.cost.fp8 import weight_cast_time
+from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.memory import stage_params
 from perfsim.cost.overlap import overlapped_exposure
@@ -69,7 +71,7 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     # Overlapped (dp_overlap): the reduction bucket by bucket (one per layer) behind the slowest
     # stage's last backward, the gather behind the next step's first forward (docs/equations.md 9.2).
     buckets = slow_stage(lambda s: stage_layer_count(model, c, s))
-    eta = system.collectives.overlap_or_perfect()
+    eta = overlap_efficiency(system, "dp")  # less the SMs NCCL's channels hold beside the compute
     reduction = np.where(c.dp_overlap, overlapped_exposure(reduction, slow["backward"], buckets, eta), reduction)
     gather = np.where(c.dp_overlap, overlapped_exposure(gather, slow["forward_compute"] + slow["forward_tp"], buckets,
                                                         eta), gather)
@@ -78,9 +80,10 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
     breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)
 
-    # the optimizer step, and in FP8 the cast of the updated weights it is followed by
-    breakdown["optimizer"] = optimizer_time(system, c, params) + weight_cast_time(
-        model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
+    # the optimizer step, the passes over the gradient buffer before it (grad_passes.py), and in
+    # FP8 the cast of the updated weights it is followed by
+    breakdown["optimizer"] = optimizer_time(system, c, params) + grad_buffer_pass_time(system, params) \
+        + weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
     breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost.columns import Columns, at_dtype, columns_of, stage_layer_count
+from perfsim.cost.contention import overlap_efficiency
 from perfsim.cost.data_parallel import (fsdp2_copy_times, is_fsdp2, optimizer_time, step_reduction_time,
                                         tied_embedding_time, zero3_gathers, zero3_units, zero_microbatch_times)
 from perfsim.cost.fp8 import weight_cast_time
+from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
@@ -129,14 +131,14 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
               "last": f(stages.params_last)}
     o = float(np.asarray(c.dp_overlap))  # 1: buckets overlap the last backward (and the gather the next forward)
-    eta = float(system.collectives.overlap_or_perfect())
+    eta = float(overlap_efficiency(system, "dp"))  # less the SMs NCCL's channels hold (cost/contention.py)
     layers_per_chunk = max(1, model.layers // (p * v))
     zero = int(c.zero)
 
     def per(fn):
         return {k: f(fn(k)) for k in POSITIONS}
 
-    optimizer = per(lambda k: optimizer_time(system, c, params[k])
+    optimizer = per(lambda k: optimizer_time(system, c, params[k]) + grad_buffer_pass_time(system, params[k])
                     + weight_cast_time(model, system, c, stage_layer_count(model, c, k)))
     costs = StepCosts(
         schedule=schedule, p=p, m=m, v=v, layers=model.layers,

@@ -66,6 +66,19 @@ class Device:
     # prediction runs (set by `for_dtype`), whose tables apply.
     measured: tuple = ()
     kernel_dtype: str = ""
+    # Optional: the device's SMs, out of which overlapped communication kernels take theirs
+    # (framework.*_comm_sms; perfsim.cost.contention); None: no SM contention priced.
+    sm_count: int | None = None
+    # Optional, in (0, 1]: the SM clock a GPU holds in a job on more than one GPU over the clock of
+    # the profile's kernel rates (perfsim.cost.clocks); None: the kernel rates' own clock.
+    sustained_clock_ratio: float | None = None
+    # Optional, in (0, 1]: what SM-bound kernels of a multi-GPU job lose beyond every named term,
+    # fitted where a published table needs it (perfsim.cost.clocks); None: nothing.
+    unattributed_at_scale_ratio: float | None = None
+    # Optional, in (0, 1]: the fused attention kernel's rate with dropout over its rate without,
+    # forward and backward (perfsim.cost.attention_dropout); None: dropout costs the kernel nothing.
+    flash_dropout_forward_ratio: float | None = None
+    flash_dropout_backward_ratio: float | None = None
 
     def memory_efficiency_of(self, kind: str, backward: bool = False):
         """The efficiency of one kind's forward or backward kernel; None where the profile names none."""
@@ -213,6 +226,16 @@ class Framework:
     # zero_grad(set_to_none=True), as the harness does) and allocated by the next backward, not held
     # in buffers of their own (0 or left out: Megatron's contiguous gradient buffer). docs/equations.md 7.4.
     grads_set_to_none: float | None = None
+    # Optional: SMs the kernels of overlapped tensor-parallel (Transformer Engine's userbuffers),
+    # data-parallel and context-parallel (NCCL channels) communication hold while they run beside
+    # compute (perfsim.cost.contention; docs/equations.md 8.4); None: none priced.
+    tp_comm_sms: float | None = None
+    dp_comm_sms: float | None = None
+    cp_comm_sms: float | None = None
+    # Optional: bytes per parameter of a stage that passes over its whole gradient buffer move once
+    # a step before the data-parallel reduction (Megatron-Core's NaN check and 1/dp scaling;
+    # perfsim.cost.grad_passes); None: none.
+    grad_buffer_pass_bytes_per_param: float | None = None
 
 
 @dataclass(frozen=True)
@@ -240,7 +263,9 @@ _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
                                  "flash_backward_efficiency", "flash_score_s", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype",
-                                 "speed_reference_gemm_s", "speed_reference_norm_s")}
+                                 "speed_reference_gemm_s", "speed_reference_norm_s", "sm_count",
+                                 "sustained_clock_ratio", "unattributed_at_scale_ratio", "flash_dropout_forward_ratio",
+                                 "flash_dropout_backward_ratio")}
     | {"gemm_efficiency": _FRACTION, "memory_efficiency": _FRACTION, "kernel_overhead_s": _NONNEG},
     "node": {"devices_per_node": _COUNT, "devices_per_card": _COUNT, "card_link_bandwidth_Bps": _POSITIVE,
              "card_link_latency_s": _NONNEG, "node_link_bandwidth_Bps": _POSITIVE, "node_link_latency_s": _NONNEG},
@@ -259,12 +284,16 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
                            "optimizer_bytes_per_param": _POSITIVE, "grad_accumulation_bytes_per_param": _NONNEG,
                            "grads_set_to_none": ("float", 0.0, 1.0, True),
                            "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG,
-                           "reduce_scatter_input_copies": _NONNEG},
+                           "reduce_scatter_input_copies": _NONNEG, "tp_comm_sms": _NONNEG,
+                           "dp_comm_sms": _NONNEG, "cp_comm_sms": _NONNEG,
+                           "grad_buffer_pass_bytes_per_param": _NONNEG},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "flash_score_s": _NONNEG,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION,
-                        "speed_reference_gemm_s": _POSITIVE, "speed_reference_norm_s": _POSITIVE}}
+                        "speed_reference_gemm_s": _POSITIVE, "speed_reference_norm_s": _POSITIVE,
+                        "sm_count": _COUNT, "sustained_clock_ratio": _FRACTION, "unattributed_at_scale_ratio": _FRACTION,
+                        "flash_dropout_forward_ratio": _FRACTION, "flash_dropout_backward_ratio": _FRACTION}}
 _STRINGS = {"device": ("name",), "network": ("topology",)}
 # Optional plain strings (no provenance table): section -> key -> allowed values; left out, the
 # dataclass default applies.
