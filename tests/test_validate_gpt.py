@@ -55,8 +55,8 @@ def test_the_harness_builds_a_llama_shaped_model():
     own layers, with the same parameter names."""
     import torch
 
-    from validate.gpt import GPT, GPTConfig
-    from validate.llama import GroupedAttention, RMSNorm
+    from validate.gpt import GPT, GPTConfig, GroupedAttention
+    from validate.llama import RMSNorm
 
     llama = GPT(GPTConfig.from_spec(load_model(LLAMA.format(kv=2))))
     names = {n: tuple(p.shape) for n, p in llama.named_parameters()}

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from perfsim.spec.model import load_model  # noqa: E402
 from validate import llama  # noqa: E402
-from validate.gpt import GPT, GPTConfig  # noqa: E402
+from validate.gpt import GPT, GROUPED_CORES, GPTConfig  # noqa: E402
 
 LLAMA = ("layers=2,hidden=64,heads=8,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
          "learned_positions=false,tied_embeddings=false,dropout=false,seq=32,vocab=512")
@@ -113,7 +113,7 @@ def test_grouped_cores_equal_multi_head_attention_on_repeated_keys_and_values():
     q = torch.randn(2, 8, 16, 4, generator=g)
     k, v = torch.randn(2, 2, 16, 4, generator=g), torch.randn(2, 2, 16, 4, generator=g)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
-    for core in llama.GROUPED_CORES.values():
+    for core in GROUPED_CORES.values():
         assert torch.allclose(core(q, k, v), ref, atol=1e-6)
 
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from validate import llama
 from validate.loss import cross_entropy
 
 RECOMPUTE = ("none", "selective", "full")
@@ -122,7 +123,7 @@ class GPTConfig:
 
     @property
     def gpt_attention(self) -> bool:
-        """Multi-head attention with learned positions: validate.gpt.Attention (else validate.llama's)."""
+        """Multi-head attention with learned positions: Attention (else GroupedAttention)."""
         return self.kv_heads == self.heads and not self.rotary
 
 
@@ -164,6 +165,15 @@ def fused_attention_core(q, k, v):
 ATTENTION_CORES = {"unfused": attention_core, "flash": fused_attention_core}
 
 
+def grouped_attention_core(q, k, v):
+    """attention_core (Megatron's kernels) with K and V expanded to the query heads of their group,
+    as Megatron's unfused core does for grouped-query attention (validate.llama)."""
+    return attention_core(q, *llama.expand_kv(k, v, q.shape[1]))
+
+
+GROUPED_CORES = {"unfused": grouped_attention_core, "flash": llama.grouped_fused_attention_core}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -185,22 +195,36 @@ class Attention(nn.Module):
         return self.proj(context.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
+class GroupedAttention(nn.Module):
+    """Attention of a spec with kv_heads < heads or rotary positions (validate.llama's QKV layout,
+    rotary and grouped cores), under the module names of Attention."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h, kv = cfg.hidden, cfg.kv_heads * (cfg.hidden // cfg.heads)
+        self.head_dim = cfg.hidden // cfg.heads
+        self.group = cfg.heads // cfg.kv_heads  # query heads per key/value head
+        self.selective = cfg.recompute == "selective"
+        self.core = GROUPED_CORES[cfg.attention]
+        self.rotary = llama.Rotary(self.head_dim) if cfg.rotary else None
+        self.qkv = nn.Linear(h, h + 2 * kv, bias=cfg.bias)
+        self.proj = nn.Linear(h, h, bias=cfg.bias)
+
+    def forward(self, x):
+        q, k, v = llama.grouped_qkv(self.qkv(x), self.group, self.head_dim, self.rotary)
+        context = _checkpointed(self.core, q, k, v) if self.selective else self.core(q, k, v)
+        b, heads, s, d = q.shape
+        return self.proj(context.transpose(1, 2).reshape(b, s, heads * d))
+
+
 def norm_layer(cfg: GPTConfig) -> nn.Module:
     """LayerNorm (GPT), or validate.llama's RMSNorm."""
-    if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.hidden)
-    from validate.llama import RMSNorm
-
-    return RMSNorm(cfg.hidden)
+    return nn.LayerNorm(cfg.hidden) if cfg.norm == "layernorm" else llama.RMSNorm(cfg.hidden)
 
 
 def mlp_activation(name: str):
     """GeLU (GPT), or validate.llama's SwiGLU or squared ReLU."""
-    if name == "gelu":
-        return F.gelu
-    from validate.llama import ACTIVATIONS
-
-    return ACTIVATIONS[name]
+    return F.gelu if name == "gelu" else llama.ACTIVATIONS[name]
 
 
 class MLP(nn.Module):
@@ -220,12 +244,7 @@ class Block(nn.Module):
         super().__init__()
         self.full = cfg.recompute == "full"
         self.ln1 = norm_layer(cfg)
-        if cfg.gpt_attention:
-            self.attn = Attention(cfg)
-        else:
-            from validate.llama import GroupedAttention
-
-            self.attn = GroupedAttention(cfg)
+        self.attn = Attention(cfg) if cfg.gpt_attention else GroupedAttention(cfg)
         self.ln2 = norm_layer(cfg)
         self.mlp = MLP(cfg)
 

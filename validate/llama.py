@@ -1,7 +1,8 @@
 """The Llama-shaped layers of validate.gpt's model: RMSNorm, rotary position embeddings, grouped-query
 attention and the SwiGLU and squared-ReLU MLP activations (perfsim's ModelSpec with norm = rmsnorm,
 learned_positions = false, kv_heads < heads, activation = swiglu | squared-relu). validate.gpt builds
-them only for a spec that asks for them; a GPT spec runs its own layers, unchanged.
+them only for a spec that asks for them (validate.gpt.GroupedAttention puts the attention pieces
+together); a GPT spec runs its own layers, unchanged. Nothing here imports validate.gpt.
 
 Each keeps for backward what Megatron-Core keeps (docs/equations.md 7.2 derives perfsim's count):
 
@@ -152,44 +153,10 @@ def expand_kv(k, v, heads: int):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def grouped_attention_core(q, k, v):
-    """validate.gpt.attention_core (Megatron's kernels) with K and V expanded to the query heads."""
-    from validate.gpt import attention_core
-
-    return attention_core(q, *expand_kv(k, v, q.shape[1]))
-
-
 def grouped_fused_attention_core(q, k, v):
     """scaled_dot_product_attention over kv_heads < heads without expanding K and V (enable_gqa):
     the CPU flash kernel and the GPU flash kernels read each key/value head for its whole group."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-
-
-GROUPED_CORES = {"unfused": grouped_attention_core, "flash": grouped_fused_attention_core}
-
-
-class GroupedAttention(nn.Module):
-    """Attention with kv_heads <= heads key/value heads and rotary positions (or neither: a GPT
-    spec asking for one of them alone), the same module names as validate.gpt.Attention."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        h, kv = cfg.hidden, cfg.kv_heads * (cfg.hidden // cfg.heads)
-        self.head_dim = cfg.hidden // cfg.heads
-        self.group = cfg.heads // cfg.kv_heads
-        self.selective = cfg.recompute == "selective"
-        self.core = GROUPED_CORES[cfg.attention]
-        self.rotary = Rotary(self.head_dim) if cfg.rotary else None
-        self.qkv = nn.Linear(h, h + 2 * kv, bias=cfg.bias)
-        self.proj = nn.Linear(h, h, bias=cfg.bias)
-
-    def forward(self, x):
-        from validate.gpt import _checkpointed
-
-        q, k, v = grouped_qkv(self.qkv(x), self.group, self.head_dim, self.rotary)
-        context = _checkpointed(self.core, q, k, v) if self.selective else self.core(q, k, v)
-        b, heads, s, d = q.shape
-        return self.proj(context.transpose(1, 2).reshape(b, s, heads * d))
 
 
 class _SwiGLU(torch.autograd.Function):

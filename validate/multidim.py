@@ -57,8 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from validate.gpt import ATTENTION_CORES, GPT, RECOMPUTE, GPTConfig, mlp_activation
-from validate.llama import GROUPED_CORES, NORM_EPS, Rotary, grouped_qkv
+from validate.gpt import ATTENTION_CORES, GPT, GROUPED_CORES, RECOMPUTE, GPTConfig, mlp_activation
+from validate.llama import NORM_EPS, Rotary, grouped_qkv
 from validate.loss import cross_entropy
 
 MODES = ("2d", "2.5d", "3d")
