@@ -170,7 +170,8 @@ def test_the_calibrated_profile_carries_its_tables_and_predictions_use_them(tmp_
 
 
 def test_a_profile_without_tables_predicts_as_before():
-    system = load_system("dgx-h100")
+    # dgx-a100 (dgx-h100 carries the H200 ledger's GEMM table since 2026-11)
+    system = load_system("dgx-a100")
     assert for_dtype(system, "bf16") is system  # nothing to apply: no copy, no cost
     p = predict("gpt3-1.3b", system, Plan(tp=2, dp=4, mbs=2, gbs=64), "bf16")
     assert p.compute_extrapolated_share == pytest.approx(1.0)
@@ -363,3 +364,26 @@ def test_a_flash_kernel_the_curve_cannot_describe_is_predicted_from_its_table(tm
     bare = dataclasses.replace(system, device=dataclasses.replace(dev, measured=()))
     curve_only = predict("layers=2,hidden=512,heads=8,seq=1024,vocab=1024", bare, Plan(mbs=1, gbs=1, attention="flash"), "fp32")
     assert flash.compute_extrapolated_share < curve_only.compute_extrapolated_share == pytest.approx(1.0)
+
+
+def test_draws_over_a_profile_with_tables_price_as_draw_by_draw():
+    """Under --uncertainty the device's numbers are arrays over the draws: the curve at a table's
+    points is then one curve per draw, and each draw's correction its own (a GEMM table on
+    dgx-a100, its efficiencies and peaks drawn); the same as evaluating each draw alone."""
+    from perfsim.cost.columns import columns_of
+    from perfsim.predict import evaluate
+    from perfsim.spec.model import load_model
+    from perfsim.uncertainty.sampling import _with_numbers, draw, evaluate_draws
+
+    base = load_system("dgx-a100")
+    shapes = [(1, m, n, k) for m in (2048, 4096) for n in (1024, 3072) for k in (1024, 4096)]
+    points = tuple((*shape, 1.2 * float(gemm_curve_time(base.device, 312e12, *shape)) * (1 + 0.1 * (i % 3)))
+                   for i, shape in enumerate(shapes))
+    system = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, measured=(measured.KernelTable(measured.GEMM, "bf16", points, 0.5),)))
+    model = load_model("layers=4,hidden=1024,heads=16,seq=2048,vocab=32000")
+    draws, plan = draw(system, 8, comm_points=2), Plan(tp=2, dp=4, mbs=1, gbs=8)
+    together = evaluate_draws(model, draws, columns_of(plan), "bf16")["step_time_s"]
+    for i in (0, 3, 7):
+        alone = evaluate(model, _with_numbers(system, dict(zip(draws.keys, draws.values[i]))), columns_of(plan), "bf16")
+        assert float(alone["step_time_s"]) == pytest.approx(together[i], rel=1e-12)

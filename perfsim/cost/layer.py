@@ -103,16 +103,23 @@ def gemm_curve_time(device: Device, peak_flops: float, count, m, n, k):
     return np.maximum(compute, memory) + device.kernel_overhead_s
 
 
+def _at_peak_of(device: Device, peak_flops, dtype: str) -> bool:
+    """Whether a kernel timed at `peak_flops` runs in `dtype` (a measured table's): at that dtype's
+    peak, in every draw where the peaks are arrays over a profile's ranges."""
+    peak = getattr(device, f"peak_flops_{dtype}", None)
+    return peak is not None and bool(np.all(np.asarray(peak_flops) == np.asarray(peak)))
+
+
 def gemm_time_and_share(device: Device, peak_flops: float, g: Gemm) -> tuple:
     """(seconds, share of them resting on the curve alone): the parametric model, corrected by
     the profile's measured GEMMs of the prediction's dtype near this shape (perfsim.cost.measured;
     share 1 without them)."""
     time = gemm_curve_time(device, peak_flops, g.count, g.m, g.n, g.k)
     table = measured.find_table(device.measured, measured.GEMM, device.kernel_dtype)
-    if table is None or peak_flops != getattr(device, f"peak_flops_{table.dtype}", None):
+    if table is None or not _at_peak_of(device, peak_flops, table.dtype):
         return time, 1.0  # no table, or a GEMM in another dtype than the table's (an fp8 step's weight GEMMs)
     factor, share = measured.correction(table, [g.count, g.m, g.n, g.k],
-                                        gemm_curve_time(device, peak_flops, *table.coordinates_linear()))
+                                        gemm_curve_time(device, peak_flops, *table.coordinates_across()))
     return time * factor, share
 
 
@@ -155,7 +162,7 @@ def _measured(device: Device, kernel: str, nbytes, curve_of) -> tuple:
     table = measured.find_table(device.measured, kernel, device.kernel_dtype) if kernel else None
     if table is None:
         return curve, 1.0
-    factor, share = measured.correction(table, [nbytes], curve_of(table.coordinates_linear()[0]))
+    factor, share = measured.correction(table, [nbytes], curve_of(table.coordinates_across()[0]))
     return curve * factor, share
 
 
@@ -281,10 +288,10 @@ def flash_attention_times(device: Device, peak_flops: float, scores: Gemm) -> tu
     out = []
     for direction, (kernel, curve) in enumerate(zip(measured.FLASH_KERNELS, curves)):
         table = measured.find_table(device.measured, kernel, device.kernel_dtype)
-        if table is None or peak_flops != getattr(device, f"peak_flops_{table.dtype}", None):
+        if table is None or not _at_peak_of(device, peak_flops, table.dtype):
             out.append((curve, 1.0))
             continue
-        at_points = flash_curve_times(device, peak_flops, *table.coordinates_linear())[direction]
+        at_points = flash_curve_times(device, peak_flops, *table.coordinates_across())[direction]
         factor, share = measured.correction(table, shape, at_points)
         out.append((curve * factor, share))
     (forward, forward_share), (backward, backward_share) = out

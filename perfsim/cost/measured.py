@@ -54,6 +54,12 @@ class KernelTable:
         """The points' coordinates as columns (count, m, n, k or bytes), to price them on the curve."""
         return [np.array([p[i] for p in self.points], float) for i in range(len(self.points[0]) - 1)]
 
+    def coordinates_across(self) -> list:
+        """coordinates_linear as (points, 1) columns: the curve priced at them by a device whose
+        numbers are arrays over draws of a profile's ranges broadcasts to (points, draws), one
+        curve per draw, which `correction` takes."""
+        return [c[:, None] for c in self.coordinates_linear()]
+
     @property
     def seconds(self) -> np.ndarray:
         return np.array([p[-1] for p in self.points], float)
@@ -90,12 +96,27 @@ def correction(table: KernelTable, coordinates: list, curve_at_points) -> tuple:
     the table): the curve's time times `factor` is the prediction; `curve share` is the part of it
     the measurements do not support. `curve_at_points`: the curve's seconds at the table's points."""
     rows, inverse, shape = _unique_rows(coordinates)
-    residual = np.log(table.seconds / np.asarray(curve_at_points, float))
+    curve = np.asarray(curve_at_points, float)
     w, prior = _weights(table, rows)
     total = w.sum(axis=1) + prior
+    if curve.ndim == 2 and curve.shape[1] > 1:  # one curve per draw (coordinates_across)
+        return _correction_per_draw(table, w, total, prior, inverse, shape, curve)
+    residual = np.log(table.seconds / curve.reshape(-1))
     factor = np.exp((w @ residual) / total)[inverse].reshape(shape)
     share = (prior / total)[inverse].reshape(shape)
     return (factor, share) if shape else (float(factor), float(share))
+
+
+def _correction_per_draw(table, w, total, prior, inverse, shape, curve) -> tuple:
+    """`correction` where the curve at the points differs per draw (columns of `curve`, one per
+    element of the broadcast queries, which are aligned with the draws or the same for all)."""
+    draws = curve.shape[1]
+    out_shape = np.broadcast_shapes(shape, (draws,))
+    query = np.broadcast_to(inverse.reshape(shape) if shape else inverse[0], out_shape).ravel()
+    column = np.broadcast_to(np.arange(draws), out_shape).ravel()
+    residual = np.log(table.seconds[:, None] / curve)  # (points, draws)
+    factor = np.exp(np.einsum("sp,ps->s", w[query], residual[:, column]) / total[query]).reshape(out_shape)
+    return factor, (prior / total)[query].reshape(out_shape)
 
 
 def leave_one_out_error(table: KernelTable, curve_at_points) -> float:
