@@ -23,12 +23,15 @@ FASTER_WHEN_HIGHER = {
                      "gemm_efficiency", "memory_efficiency", "operation_memory_efficiency", "flash_forward_efficiency",
                      "flash_backward_efficiency", "fp8_gemm_efficiency", "card_link_bandwidth_Bps",
                      "node_link_bandwidth_Bps", "nic_bandwidth_Bps", "card_efficiency", "node_efficiency",
-                     "network_efficiency", "operation_efficiency", "overlap_efficiency", "zero3_overlap"), True),
+                     "network_efficiency", "operation_efficiency", "overlap_efficiency", "zero3_overlap",
+                     "sm_count", "sustained_clock_ratio", "unattributed_at_scale_ratio", "flash_dropout_forward_ratio",
+                     "flash_dropout_backward_ratio"), True),
     **dict.fromkeys(("gemm_half_dim", "kernel_overhead_s", "card_link_latency_s", "node_link_latency_s", "latency_s",
                      "oversubscription", "operation_latency_factor", "operation_step_overhead_s",
                      "reserved_memory_bytes", "allocator_overhead_fraction", "step_overhead_s", "tp_layer_overhead_s",
                      "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies",
-                     "flash_score_s", "optimizer_bytes_per_param", "grad_accumulation_bytes_per_param"), False),
+                     "flash_score_s", "optimizer_bytes_per_param", "grad_accumulation_bytes_per_param",
+                     "tp_comm_sms", "dp_comm_sms", "cp_comm_sms", "grad_buffer_pass_bytes_per_param"), False),
 }
 
 
