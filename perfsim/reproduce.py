@@ -250,7 +250,8 @@ def smng_tp_markdown(rows: list[Prediction]) -> str:
 # perfsim search applies wherever a plan can have it. The rest (micro-batch, interleaving, SP,
 # recomputation) the search chooses, as NVIDIA tuned them.
 H100_STATED = {"tp_mode": {"1d"}, "zero": {1}, "attention": {"flash"}}
-# Rows whose measurements dgx-h100's device.gemm_efficiency was fitted to (the others are held out).
+# Rows whose measurements dgx-h100's device.unattributed_at_scale_ratio was fitted to (the others
+# are held out); until 2026-11 its device.gemm_efficiency was.
 H100_FITTED = ("1.7B", "16B", "70B", "177B", "462B")
 
 
@@ -284,6 +285,35 @@ def h100_strong(system: System | None = None) -> list[tuple[int, float, Predicti
     system = system or load_system("dgx-h100")
     row = next(r for r in MEGATRON_H100_WEAK if r.name == "177B")
     return [(gpus, mfu, h100_best(row, system, gpus // (row.tp * row.pp))) for gpus, mfu in MEGATRON_H100_STRONG_177B]
+
+
+def fit_h100_unattributed(system: System | None = None, step: float = 0.001) -> tuple:
+    """(value, mean absolute error of the fitted rows, {value: that error}) of dgx-h100's
+    device.unattributed_at_scale_ratio that gives the H100_FITTED rows the smallest mean absolute
+    step-time error, every other number as the profile has it: a grid of 0.01 over (0.5, 1], then
+    of `step` around its best (the search's choice of plan makes the error piecewise, so no
+    gradient)."""
+    import dataclasses
+
+    import numpy as np
+
+    system = system or load_system("dgx-h100")
+    rows = [r for r in MEGATRON_H100_WEAK if r.name in H100_FITTED]
+    seen: dict = {}
+
+    def error(ratio: float) -> float:
+        ratio = round(float(ratio), 6)
+        if ratio not in seen:
+            trial = dataclasses.replace(system, device=dataclasses.replace(system.device,
+                                                                           unattributed_at_scale_ratio=ratio))
+            predicted = [(r, h100_best(r, trial)) for r in rows]
+            seen[ratio] = float(np.mean([abs(p.step_time_s / measured_step_s(p, r.tflops_per_gpu) - 1)
+                                         for r, p in predicted]))
+        return seen[ratio]
+
+    coarse = min(np.arange(0.51, 1.0001, 0.01), key=error)
+    best = min(np.arange(coarse - 0.01, coarse + 0.01 + step / 2, step), key=error)
+    return round(float(best), 6), error(best), dict(sorted(seen.items()))
 
 
 def h100_markdown(rows, strong) -> str:

@@ -83,3 +83,21 @@ def assert_one_line_error(capsys, path: str, words) -> None:
     assert "\n" not in err and err.startswith("perfsim: error:") and path in err
     for word in words:
         assert word in err, err
+
+
+# The named at-scale terms of the GPU profiles (docs/equations.md 6.5, 8.4-8.6), by section: the SMs
+# overlapped communication holds, the SM-bound kernels' rate in a multi-GPU job, dropout inside the
+# fused attention kernel, Megatron-Core's gradient-buffer passes.
+AT_SCALE_KEYS = {"device": ("sm_count", "sustained_clock_ratio", "unattributed_at_scale_ratio",
+                            "flash_dropout_forward_ratio", "flash_dropout_backward_ratio"),
+                 "framework": ("tp_comm_sms", "dp_comm_sms", "cp_comm_sms", "grad_buffer_pass_bytes_per_param")}
+
+
+def without_at_scale_terms(system):
+    """`system` with its named at-scale terms left out: a step priced by its kernels and
+    communication alone, the frame of tests that count another mechanism by hand."""
+    import dataclasses
+
+    parts = {section: dataclasses.replace(getattr(system, section), **dict.fromkeys(keys))
+             for section, keys in AT_SCALE_KEYS.items()}
+    return dataclasses.replace(system, **parts)

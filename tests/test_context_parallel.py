@@ -31,6 +31,8 @@ from perfsim.spec.model import load_model
 from perfsim.spec.plan import ORDERS, Plan, canonical, plan_problems
 from perfsim.spec.system import load_system
 
+from profile_toml import without_at_scale_terms
+
 # Llama-3-8B's shape (GQA: 8 key/value heads of 32) at a long sequence
 LLAMA = "layers=32,hidden=4096,heads=32,kv_heads=8,vocab=128256,ffn=14336,activation=swiglu"
 LONG = load_model(f"{LLAMA},seq=32768")
@@ -215,9 +217,14 @@ def test_the_ring_waits_do_not_hide_the_last_gradient_bucket_in_either_engine():
     waits included, but the last (6.1); the simulator releases the buckets over a pass's ring waits
     and compute, the last at its end, so nothing after it hides it there either."""
     plan = Plan(tp=1, cp=16, mbs=1, gbs=4, attention="flash", dp_overlap=True)
-    closed, simulated = predict(SHORT, H100, plan), predict_simulated(SHORT, H100, plan)
+    # without the SMs NCCL holds beside the compute: with them each engine charges the hidden
+    # buckets over its own window (docs/equations.md 6.1, 8.4), tests/test_at_scale_terms.py
+    h100 = without_at_scale_terms(H100)
+    closed, simulated = predict(SHORT, h100, plan), predict_simulated(SHORT, h100, plan)
     assert closed.time_breakdown_s["cp_comm"] > 0 and closed.time_breakdown_s["dp_comm"] > 0
-    assert simulated.step_time_s == pytest.approx(closed.step_time_s, rel=0.01)
+    # 2%: the engines' dp_comm differs by 0.45 ms here, as it did when the step carried dgx-h100's
+    # assumed 20 ms a step (then 0.9% of it); the measured 2.7 ms makes the same gap 1.6%
+    assert simulated.step_time_s == pytest.approx(closed.step_time_s, rel=0.02)
     # (the simulator exposes a little more than the closed form with ZeRO-0 even without cp)
     assert closed.time_breakdown_s["dp_comm"] <= simulated.time_breakdown_s["dp_comm"] \
         < 1.2 * closed.time_breakdown_s["dp_comm"]

@@ -27,8 +27,11 @@ PLAN = Plan(tp=2, pp=2, dp=2, mbs=1, gbs=8)
 LINEAR_WEIGHTS = 1024 * 3072 + 1024 * 1024 + 1024 * 4096 + 4096 * 1024
 
 
-def gemm_seconds(peak, best, m, n, k, half=256.0, overhead=4e-6):
-    """A large GEMM on dgx-h100 (compute-bound): FLOPs over peak x the efficiency model."""
+def gemm_seconds(peak, best, m, n, k, half=None, overhead=None):
+    """A large GEMM on dgx-h100 (compute-bound): FLOPs over peak x the efficiency model, its half
+    dimension and kernel overhead the profile's unless given."""
+    half = H100.device.gemm_half_dim if half is None else half
+    overhead = H100.device.kernel_overhead_s if overhead is None else overhead
     efficiency = best * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
     return 2.0 * m * n * k / (peak * efficiency) + overhead
 
@@ -46,8 +49,11 @@ def test_a_weight_gemm_runs_at_the_fp8_peak_the_attention_core_at_bf16():
     fc1 = Gemm("fc1", 1, 8192, 8192, 8192)
     fp8 = work(H100.device, 989e12, [fc1], [], fp8=1)
     casts = stream_seconds(4 * 8192 * 8192)  # read bf16, write FP8 and its transpose
-    assert fp8.time_s == pytest.approx(gemm_seconds(1979e12, 0.58, 8192, 8192, 8192) + casts, rel=1e-12)
-    assert work(H100.device, 989e12, [fc1], []).time_s == pytest.approx(gemm_seconds(989e12, 0.58, 8192, 8192, 8192))
+    # the profile's bf16 GEMM efficiency (the H200 ledger's; its measured bf16 table applies to
+    # predictions in bf16 only, through for_dtype, and never to FP8 GEMMs)
+    best = H100.device.gemm_efficiency
+    assert fp8.time_s == pytest.approx(gemm_seconds(1979e12, best, 8192, 8192, 8192) + casts, rel=1e-12)
+    assert work(H100.device, 989e12, [fc1], []).time_s == pytest.approx(gemm_seconds(989e12, best, 8192, 8192, 8192))
     scores = Gemm("scores", 16, 2048, 2048, 128)
     assert work(H100.device, 989e12, [scores], [], fp8=1).time_s == work(H100.device, 989e12, [scores], []).time_s
 
@@ -65,7 +71,7 @@ def test_casts_forward_the_input_backward_the_output_gradient():
     m, n, k = 4096, 16384, 4096
     fc1 = Gemm("fc1", 1, m, n, k)
     bf16, fp8 = work(H100.device, 989e12, [fc1], []), work(H100.device, 989e12, [fc1], [], fp8=1)
-    gemm = gemm_seconds(1979e12, 0.58, m, n, k)
+    gemm = gemm_seconds(1979e12, H100.device.gemm_efficiency, m, n, k)
     assert fp8.time_s - gemm == pytest.approx(stream_seconds(4 * m * k), rel=1e-9)
     assert fp8.backward_s - 2 * gemm == pytest.approx(stream_seconds(4 * m * n), rel=1e-9)
     assert fp8.flops == bf16.flops  # the same products, counted the same way
@@ -92,7 +98,7 @@ def test_zero3_shards_the_fp8_copies_over_data_and_context_parallelism():
 def test_the_step_casts_the_updated_weights_once():
     bf16, fp8 = predict(MODEL, H100, PLAN), predict(MODEL, H100, PLAN, "fp8")
     elements = 2 * LINEAR_WEIGHTS / 2  # two layers a stage, half of each matrix a device
-    cast = 4 * elements / (3.35e12 * 0.85) + 2 * 4 * 4e-6  # one kernel per GEMM
+    cast = 4 * elements / (3.35e12 * 0.85) + 2 * 4 * H100.device.kernel_overhead_s  # one kernel per GEMM
     extra = fp8.time_breakdown_s["optimizer"] - bf16.time_breakdown_s["optimizer"]
     assert extra == pytest.approx(cast, rel=1e-9)
     assert fp8.step_time_s < bf16.step_time_s
@@ -137,16 +143,21 @@ def test_predict_json_names_the_dtype(capsys):
                      "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["dtype"] == "fp8"
-    assert out["compute_extrapolated_share"] == 1.0  # no measured tables: the casts rest on the curves too
+    # dgx-h100 carries the H200 ledger's bf16 GEMMs: they price the bf16 logits GEMM; the FP8 weight
+    # GEMMs, their casts and the fused attention rest on the curves (was exactly 1 without a table)
+    assert 0.5 < out["compute_extrapolated_share"] < 1.0
 
 
 def test_dgx_b200_states_dense_peaks_and_marks_carried_over_efficiencies_assumed():
     b200 = load_system("dgx-b200")
     assert b200.device.peak_flops_bf16 == 2.25e15 and b200.device.peak_flops_fp8 == 2 * 2.25e15  # half the sparse 4.5 / 9 PF
     assert b200.node.devices_per_node == 8 and b200.node.node_link_bandwidth_Bps == 900e9  # 1.8 TB/s both ways
-    for key in ("gemm_efficiency", "gemm_half_dim", "memory_efficiency", "flash_forward_efficiency",
-                "flash_backward_efficiency", "kernel_overhead_s"):
+    for key in ("gemm_half_dim", "memory_efficiency", "flash_forward_efficiency", "flash_backward_efficiency",
+                "kernel_overhead_s"):
         assert getattr(b200.device, key) == getattr(H100.device, key)
         provenance, source = b200.provenance[f"device.{key}"]
         assert provenance == "assumed" and "not measured on B200" in source
+    # the GEMM rate is B200's own, one GPU alone (mamf-finder), as dgx-h100's is its ledger's
+    provenance, source = b200.provenance["device.gemm_efficiency"]
+    assert provenance == "measured" and "B200" in source and "mamf-finder" in source
     assert predict(MODEL, b200, PLAN, "fp8").step_time_s < predict(MODEL, H100, PLAN, "fp8").step_time_s

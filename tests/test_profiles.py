@@ -34,6 +34,8 @@ def _numbers(raw):
     per-operation table comes as ("collectives", "operation_efficiency.all_reduce", table)."""
     for section in SECTIONS:
         for key, entry in raw[section].items():
+            if key == "measured":  # tables of measured points (docs/profile-format.md), not numbers
+                continue
             if (section, key) in OPERATION_TABLES:
                 for op, item in entry.items():
                     yield section, f"{key}.{op}", item
@@ -87,7 +89,8 @@ def test_loaded_values_and_provenance_match_the_file(path):
     for section in SECTIONS:
         obj = getattr(system, section)
         for f in dataclasses.fields(obj):
-            if f.type in ("float", "int", float, int) or (f.type == "float | None" and getattr(obj, f.name) is not None):
+            if f.type in ("float", "int", float, int) or (f.type in ("float | None", "int | None")
+                                                           and getattr(obj, f.name) is not None):
                 numeric_fields.add(f"{section}.{f.name}")  # optional numbers without a default count where given
     for section, table in OPERATION_TABLES:  # the operations a profile names, each with its provenance
         numeric_fields |= {f"{section}.{table}.{op}" for op, _ in getattr(getattr(system, section), table)}
