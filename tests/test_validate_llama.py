@@ -52,6 +52,33 @@ def test_rmsnorm_is_torchs_and_keeps_its_input_and_one_statistic():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_rmsnorm_backward_runs_torchs_fused_kernel_where_the_device_has_one(monkeypatch):
+    """On a GPU the backward is torch's fused kernel, called with (dy, x, shape, 1/rms, weight,
+    mask); the CPU build has none, so a stand-in that computes what the kernel does (the explicit
+    math) takes its place here and must see exactly those arguments and give the same gradients."""
+    calls = []
+
+    def fused(dy, x, shape, rstd, weight, mask):
+        calls.append((tuple(dy.shape), tuple(x.shape), list(shape), tuple(rstd.shape), tuple(weight.shape), list(mask)))
+        monkeypatch.setitem(llama._FUSED_BACKWARD, x.device.type, False)  # the explicit math, once
+        try:
+            return llama.rms_norm_backward(dy, x, rstd, weight)
+        finally:
+            monkeypatch.setitem(llama._FUSED_BACKWARD, x.device.type, True)
+
+    monkeypatch.setattr(llama, "FUSED_RMS_NORM_BACKWARD", fused)
+    monkeypatch.setitem(llama._FUSED_BACKWARD, "cpu", True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, 16, generator=g, requires_grad=True)
+    norm = llama.RMSNorm(16)
+    dy = torch.randn(3, 4, 16, generator=g)
+    ours = torch.autograd.grad(norm(x), (x, norm.weight), dy)
+    theirs = torch.autograd.grad(F.rms_norm(x, (16,), norm.weight, llama.NORM_EPS), (x, norm.weight), dy)
+    assert calls == [((3, 4, 16), (3, 4, 16), [16], (3, 4, 1), (16,), [True, True])]
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_rotary_rotates_pairs_of_halves_by_the_token_position_and_keeps_nothing():
     """q . k after rotation depends on the two tokens' offset alone; the gradient is the rotation's
     transpose; a context-parallel rank's positions pick its own rows of the tables."""

@@ -52,11 +52,30 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight = ctx.saved_tensors
-        xhat = x.float() * rstd
-        g = dy.float() * weight.float()
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dweight = (dy.float() * xhat).sum(tuple(range(x.dim() - 1)))  # sequence-split: a Partial sum
-        return dx.to(x.dtype), dweight.to(weight.dtype), None
+        dx, dweight = rms_norm_backward(dy, x, rstd, weight)
+        return dx, dweight, None
+
+
+_FUSED_BACKWARD = {}  # device type -> whether torch has a fused RMSNorm backward kernel for it
+FUSED_RMS_NORM_BACKWARD = torch.ops.aten._fused_rms_norm_backward
+
+
+def rms_norm_backward(dy, x, rstd, weight):
+    """(input gradient, weight gradient) of y = x / rms(x) * weight from x and 1/rms; the weight's,
+    summed over every token, is a Partial sum under sequence parallelism. torch's fused kernel
+    where the device has one (CUDA, XPU: one kernel, as Transformer Engine's), else the explicit
+    math below (the CPU build has no kernel for it), in fp32 and cast back."""
+    kind = x.device.type
+    if _FUSED_BACKWARD.get(kind, True):
+        try:
+            return FUSED_RMS_NORM_BACKWARD(dy, x, [x.shape[-1]], rstd, weight, [True, True])
+        except NotImplementedError:
+            _FUSED_BACKWARD[kind] = False
+    xhat = x.float() * rstd
+    g = dy.float() * weight.float()
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight = (dy.float() * xhat).sum(tuple(range(x.dim() - 1)))
+    return dx.to(x.dtype), dweight.to(weight.dtype)
 
 
 class RMSNorm(nn.Module):
