@@ -292,3 +292,22 @@ def test_the_host_time_of_a_layer_follows_its_ops():
         plan = Plan(mbs=1, gbs=1, attention=attention, recompute=recompute)
         host = predict(model, system, plan).step_time_s - predict(model, _with(system, layer_overhead_s=0.0), plan).step_time_s
         assert host == pytest.approx(4 * 1e-3 * ops / 116)
+
+
+def test_autocasts_fp32_kernels_are_measured_on_a_gpu_and_priced_by_their_own_tables():
+    from perfsim.cost.layer import MemoryOp, memory_times
+    from perfsim.cost.measured import KernelTable
+    from validate import microbench as mb
+
+    model, plan = load_model(GPT), Plan(mbs=2, gbs=2)
+    for kind, expected in (("cuda", {"layernorm", "layernorm_backward", "softmax", "softmax_backward"}), ("cpu", set())):
+        points = mb.build_points(kind, ("bf16",), model, plan, 1, 1, mb.default_sweep(kind), ("memory",))
+        assert {p.op for p in points if p.dtype == "fp32"} == expected
+    device = load_system("dgx-h100").device
+    op = MemoryOp("norm1", 8 * 2 ** 24, "layernorm", "fp32")
+    curve = memory_times(device, op)[0]
+    twice = KernelTable("layernorm", "fp32", tuple((n, 2 * memory_times(device, dataclasses.replace(op, nbytes=n))[0])
+                                                   for n in (2 ** 25, 2 ** 27, 2 ** 29)), 0.5)
+    measured = dataclasses.replace(device, measured=(twice,), kernel_dtype="bf16")
+    assert memory_times(measured, op)[0] == pytest.approx(2 * curve, rel=0.1)  # the fp32 table
+    assert memory_times(measured, dataclasses.replace(op, dtype=""))[0] == pytest.approx(curve)  # no bf16 table

@@ -58,6 +58,7 @@ MEMORY_OPS = ("copy", "triad", "layernorm", "softmax", "gelu", "dropout", "add")
 ATTENTION_OPS = ("sdpa", "unfused") + FLASH_KERNELS  # the fused kernel (non-causal), perfsim's unfused core, causal flash
 BACKWARD_OPS = ("layernorm_backward", "softmax_backward", "gelu_backward")  # the smaller kernel sweep
 CROSS_ENTROPY_OPS = ("cross_entropy", "cross_entropy_backward")  # at Sweep.cross_entropy_shapes
+AUTOCAST_FP32_OPS = ("layernorm", "softmax")  # what torch.autocast runs in fp32 in a GPU's bf16 step
 KERNEL_DTYPE = "bf16"  # what a training step runs backward kernels and the loss's input in
 # Forward bytes moved per element, (passes, extra): passes x the element size + extra bytes.
 # Streaming ops here; the element-wise kinds as perfsim's cost model counts them.
@@ -375,6 +376,20 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                 for op in CROSS_ENTROPY_OPS:
                     for rows, cols in sweep.cross_entropy_shapes:
                         add(Point("memory", op, dtype, _shape(rows=rows, cols=cols)))
+        if kind != "cpu" and "bf16" in dtypes and "fp32" not in dtypes:
+            # a GPU's bf16 step runs its norms and softmax under torch.autocast, in fp32
+            # (validate.gpt.autocast_for, docs/equations.md 3.5): those kernels, forward and
+            # backward, at the plan's sizes and the backward sweep, for the fp32 tables perfsim
+            # prices them by
+            for name, op, elements, cols in plan_memory_ops(model, plan):
+                if op in AUTOCAST_FP32_OPS and elements <= 4 * sweep.memory_elements[-1]:
+                    for kernel in (op, op + BACKWARD):
+                        add(Point("memory", kernel, "fp32", _shape(rows=elements // cols, cols=cols), origin="plan"))
+            for op in AUTOCAST_FP32_OPS:
+                for elements in sweep.backward_elements:
+                    cols = min(1024, elements)
+                    for kernel in (op, op + BACKWARD):
+                        add(Point("memory", kernel, "fp32", _shape(rows=elements // cols, cols=cols)))
     if "attention" in suites:
         for dtype in dtypes:
             shapes = []

@@ -64,6 +64,7 @@ class MemoryOp:
     name: str
     nbytes: object  # forward bytes; the backward moves MEMORY_BACKWARD x as many
     kind: str = ""  # one of perfsim.spec.system.MEMORY_KINDS, or "" (generic)
+    dtype: str = ""  # the dtype its kernel runs in where not the step's (an autocast op's fp32): its tables'
 
 
 # FlashAttention-style kernels (Dao et al. 2022; Shah et al. 2024, FlashAttention-3): a causal mask
@@ -155,11 +156,12 @@ def _streaming_time(device: Device, nbytes, efficiency):
     return nbytes / (device.memory_bandwidth_Bps * efficiency) + device.kernel_overhead_s
 
 
-def _measured(device: Device, kernel: str, nbytes, curve_of) -> tuple:
+def _measured(device: Device, kernel: str, nbytes, curve_of, dtype: str = "") -> tuple:
     """(seconds, curve share) of an element-wise kernel of `nbytes`: `curve_of(bytes)`, corrected
-    by the profile's table of that kernel where it has one (its points priced by the same curve)."""
+    by the profile's table of that kernel in `dtype` (default: the prediction's) where it has one
+    (its points priced by the same curve)."""
     curve = curve_of(nbytes)
-    table = measured.find_table(device.measured, kernel, device.kernel_dtype) if kernel else None
+    table = measured.find_table(device.measured, kernel, dtype or device.kernel_dtype) if kernel else None
     if table is None:
         return curve, 1.0
     factor, share = measured.correction(table, [nbytes], curve_of(table.coordinates_across()[0]))
@@ -177,9 +179,9 @@ def memory_times_and_shares(device: Device, op: MemoryOp) -> tuple:
         backward_curve = lambda nbytes: MEMORY_BACKWARD * forward_curve(nbytes / MEMORY_BACKWARD)  # noqa: E731
     else:
         backward_curve = lambda nbytes: _streaming_time(device, nbytes, backward_efficiency)  # noqa: E731
-    forward, forward_share = _measured(device, op.kind, op.nbytes, forward_curve)
+    forward, forward_share = _measured(device, op.kind, op.nbytes, forward_curve, op.dtype)
     backward, backward_share = _measured(device, op.kind + BACKWARD if op.kind else "", MEMORY_BACKWARD * op.nbytes,
-                                         backward_curve)
+                                         backward_curve, op.dtype)
     return forward, backward, forward_share, backward_share
 
 
@@ -224,10 +226,11 @@ def autocast_ops(name: str, elements, element=BF16) -> list[MemoryOp]:
 
 def _fp32_under_autocast(name: str, kind: str, elements, element, autocast) -> list[MemoryOp]:
     """An element-wise op of `elements` elements as a step runs it: in `element`-byte tensors, or
-    under autocast in fp32 between its two casts."""
+    under autocast in fp32 (priced by the profile's fp32 tables of its kind where it has them: a GPU
+    campaign measures them) between its two casts."""
     if not autocast:
         return [_op(name, kind_bytes(kind, element) * elements)]
-    return [_op(name, kind_bytes(kind, FP32) * elements)] + autocast_ops(name, elements, element)
+    return [MemoryOp(name, kind_bytes(kind, FP32) * elements, kind, "fp32")] + autocast_ops(name, elements, element)
 
 
 def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16, autocast=0) -> list[MemoryOp]:
