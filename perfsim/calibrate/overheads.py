@@ -59,6 +59,10 @@ def fit_tp_overhead(records, ledger) -> tuple:
 CALIBRATION_MODEL = "layers={layers},hidden=256,heads=4,seq=128,vocab=2048,tied_embeddings=false,dropout=false"
 OVERHEAD_RUNS = ((1, 1), (3, 1), (1, 3), (3, 3), (2, 2))  # (layers, micro-batches); the last held out
 QUICK_RUNS = ((1, 1), (2, 1), (1, 2), (2, 2))
+# Layers of other variants at (2 layers, 2 micro-batches), held out of the fit: their host time is
+# the calibration layer's scaled by the ops they dispatch (perfsim.cost.host.HARNESS_LAYER_OPS), which
+# these runs check on the machine (not in --quick).
+VARIANT_RUNS = ({"attention": "flash"}, {"recompute": "full"})
 OVERHEAD_KEYS = ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s")
 
 
@@ -70,7 +74,15 @@ def overhead_cases(nproc: int, quick: bool = False) -> list:
     by_layers: dict = {}
     for layers, m in QUICK_RUNS if quick else OVERHEAD_RUNS:
         by_layers.setdefault(layers, []).append(Plan(dp=nproc, mbs=1, gbs=m * nproc))
+    layers, m = OVERHEAD_RUNS[-1]
+    for variant in () if quick else VARIANT_RUNS:
+        by_layers[layers].append(Plan(dp=nproc, mbs=1, gbs=m * nproc, **variant))
     return [(CALIBRATION_MODEL.format(layers=layers), plans) for layers, plans in by_layers.items()]
+
+
+def _variant(plan) -> bool:
+    """Whether an overhead run's layers are another variant than the calibration layer's."""
+    return plan.attention != "unfused" or plan.recompute != "none"
 
 
 def overheads_ledger(ledger: str) -> str:
@@ -156,6 +168,8 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
         t = at_profile_speed(r["measured"], p0.time_breakdown_s)
         rows.append((layers, m, t, p0.step_time_s, (layers, m) == OVERHEAD_RUNS[-1], (model, trained, plan, dtype)))
         overlapped.append(trained.framework.host_overlap)
+    variants = [x for x in rows if _variant(x[5][2])]
+    rows = [x for x in rows if not _variant(x[5][2])]
     fitted = [x for x in rows if not x[4]]
     if len(fitted) < 3:
         return {}, [], [f"overheads: {len(fitted)} step runs of the calibration model, 3 needed to fit the step, "
@@ -189,6 +203,12 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     quality = [Quality("framework overheads (real steps of the calibration model)", mape(predicted(fitted), measured(fitted)),
                        len(fitted), mape(predicted(held), measured(held)) if held else float("nan"), len(held),
                        note=f"kernels, collectives and optimizer alone: {100 * kernels_alone:.1f}% on all runs")]
+    if variants:
+        names = ", ".join(sorted({"flash attention" if x[5][2].attention != "unfused" else f"{x[5][2].recompute} recomputation"
+                                  for x in variants}))
+        quality.append(Quality(f"  other layers ({names}), host time by their ops", float("nan"), 0,
+                               mape(predicted(variants), measured(variants)), len(variants),
+                               note="held out: perfsim.cost.host.HARNESS_LAYER_OPS against the machine"))
     step, mb, layer = coefficients
     notes = [f"framework overheads from {len(rows)} step runs of the calibration model: {step * 1e3:.3g} ms a step, "
              f"{mb * 1e3:.3g} ms a micro-batch, {layer * 1e3:.3g} ms a layer and micro-batch "
