@@ -68,7 +68,7 @@ def test_the_profiles_name_every_term_with_a_source_and_the_unmeasured_ones_with
                     assert f"{section}.{key}" in system.ranges, (name, key)  # how sure, stated
     h200 = load_system("dgx-h200")
     assert h200.device.peak_flops_bf16 == H100.device.peak_flops_bf16 and h200.device.sm_count == 132
-    assert h200.device.memory_bandwidth_Bps == 4.8e12 and h200.device.memory_bytes == 141e9
+    assert h200.device.memory_bandwidth_Bps == 4.8e12 and h200.device.memory_bytes == 150_109_880_320  # the ledger's
     for key in ("device.gemm_efficiency", "device.gemm_half_dim", "device.kernel_overhead_s",
                 "device.memory_efficiency", "framework.step_overhead_s"):
         provenance, source = h200.provenance[key]

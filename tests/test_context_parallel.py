@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from perfsim import cli
-from perfsim.cost import counts
+from perfsim.cost import counts, stack_memory
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import at_dtype, columns_of
 from perfsim.cost.context_parallel import kv_block_bytes, ring_attention_times, ring_step_times
@@ -145,15 +145,19 @@ def test_activation_memory_halves_at_cp_2_and_the_ring_adds_its_buffers():
     # without it every layer keeps the block its forward held last in place of its own K and V,
     # which the ring does not keep (Transformer Engine saves Q, that block, the output, the lse)
     assert float(two["activations"]) == pytest.approx(float(one["activations"]) / 2, rel=1e-12)
-    # buffers before the allocator's share: halved pipeline, SP and logits buffers, plus 4 blocks
+    # buffers before the allocator's share, less the runtime, TE's userbuffers (none: no tp_overlap)
+    # and the GEMM workspace (a fixed size): halved pipeline, SP and logits buffers, plus 4 blocks
     fw = H100.framework
 
-    def tensors(m):
+    def tensors(m, c):
         live = sum(float(m[k]) for k in ("weights", "gradients", "optimizer", "activations"))
-        return (float(m["buffers"]) - fw.reserved_memory_bytes - fw.allocator_overhead_fraction * live) \
-            / (1 + fw.allocator_overhead_fraction)
+        outside = fw.reserved_memory_bytes + float(stack_memory.userbuffer_bytes(LONG, c))
+        workspace = float(stack_memory.workspace_bytes(fw, c))
+        return (float(m["buffers"]) - outside - fw.allocator_overhead_fraction * live) \
+            / (1 + fw.allocator_overhead_fraction) - workspace
     ring = 4 * kv_block_bytes(LONG, 2, 2, 2)
-    assert tensors(two) == pytest.approx(tensors(one) / 2 + ring, rel=1e-9)
+    c1, c2 = columns_of(unfused), columns_of(unfused.replace(cp=2))
+    assert tensors(two, c2) == pytest.approx(tensors(one, c1) / 2 + ring, rel=1e-9)
 
 
 def test_zero_shards_over_data_and_context_parallel_ranks_together():

@@ -5,12 +5,15 @@ bf16. Counted here by hand from the formulas' definitions."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from perfsim import cli
+from perfsim.cost.columns import at_dtype, columns_of
 from perfsim.cost.layer import Gemm, work
+from perfsim.cost.memory import memory_breakdown
 from perfsim.predict import predict
 from perfsim.schedule.simulator import simulate
 from perfsim.search import search
@@ -77,20 +80,53 @@ def test_casts_forward_the_input_backward_the_output_gradient():
     assert fp8.flops == bf16.flops  # the same products, counted the same way
 
 
+def _bf16_weights_kept(system):
+    """The profile with the bf16 weights kept beside the FP8 copies (Megatron-LM's default, without
+    --fp8-param-gather)."""
+    return dataclasses.replace(system, framework=dataclasses.replace(system.framework, fp8_param_gather=0))
+
+
 def test_memory_adds_the_fp8_copies_and_scaling_state_exactly():
-    bf16, fp8 = predict(MODEL, H100, PLAN).memory_bytes, predict(MODEL, H100, PLAN, "fp8").memory_bytes
+    kept = _bf16_weights_kept(H100)
+    bf16, fp8 = predict(MODEL, kept, PLAN).memory_bytes, predict(MODEL, kept, PLAN, "fp8").memory_bytes
     layers_per_stage, t = 4 / 2, 2
     copies = 2 * layers_per_stage * LINEAR_WEIGHTS / t  # one byte each: the FP8 weight and its transpose
     scaling = layers_per_stage * 4 * 5 * (2 + 1024) * 4  # 4 GEMMs x 5 tensors x (scale, inverse, 1024 amaxes) fp32
     assert fp8["weights"] - bf16["weights"] == copies + scaling == 25_329_984
-    for kind in ("gradients", "optimizer", "activations"):
+    for kind in ("gradients", "optimizer"):
         assert fp8[kind] == bf16[kind]
+
+
+def test_fp8_weights_take_the_place_of_the_bf16_ones():
+    """dgx-h100 trains FP8 as NVIDIA's recipes do, the FP8 layers' weights in FP8 (fp8_param_gather):
+    their data and transpose, 2 bytes, where the bf16 weight was; the scaling state on top."""
+    assert H100.framework.fp8_param_gather == 1
+    bf16, fp8 = predict(MODEL, H100, PLAN).memory_bytes, predict(MODEL, H100, PLAN, "fp8").memory_bytes
+    assert fp8["weights"] - bf16["weights"] == 2 * 4 * 5 * (2 + 1024) * 4  # two layers' scaling state
+
+
+@pytest.mark.parametrize("attention", ["unfused", "flash"])
+def test_fp8_layers_keep_fp8_copies_of_their_linears_inputs(attention):
+    """Transformer Engine's FP8 linears keep the FP8 copy of their input for the weight gradient (1
+    byte an element where bf16 keeps 2): the QKV and FC1 inputs (s b h each, replicated without
+    SP), the projection's (s b h / t) and FC2's (s b 4h / t). The fused attention kernel keeps its
+    own bf16 output beside the projection's copy: there the context costs a byte more, not less.
+    Per layer and micro-batch: -2 sbh - 4 sbh/t, and -sbh/t (unfused) or +sbh/t (flash)."""
+    s, b, h, t = 2048, 1, 1024, 2
+    sbh = s * b * h
+    per_layer = -2 * sbh - 4 * sbh / t + (sbh / t if attention == "flash" else -sbh / t)
+    c = columns_of(PLAN.replace(attention=attention))
+    bf16, fp8 = (memory_breakdown(MODEL, H100, at_dtype(c, dtype), last_stage=False)["activations"]
+                 for dtype in ("bf16", "fp8"))
+    # the first of two stages: two layers, min(m, p) = 2 micro-batches in flight
+    assert float(fp8 - bf16) == 2 * 2 * per_layer
 
 
 def test_zero3_shards_the_fp8_copies_over_data_and_context_parallelism():
     model = load_model("layers=4,hidden=1024,heads=16,seq=8192,vocab=32000")
     plan = Plan(tp=1, cp=2, pp=2, dp=2, zero=3, mbs=1, gbs=8, attention="flash")
-    bf16, fp8 = predict(model, H100, plan).memory_bytes, predict(model, H100, plan, "fp8").memory_bytes
+    kept = _bf16_weights_kept(H100)
+    bf16, fp8 = predict(model, kept, plan).memory_bytes, predict(model, kept, plan, "fp8").memory_bytes
     copies = 2 * 2 * LINEAR_WEIGHTS / (2 * 2)  # two layers a stage, sharded over dp x cp = 4
     assert fp8["weights"] - bf16["weights"] == copies + 2 * 4 * 5 * (2 + 1024) * 4
 

@@ -139,7 +139,7 @@ def test_dgx_a100_facts():
     s = load_system("dgx-a100")
     assert s.node.devices_per_node == 8
     assert s.device.peak_flops_bf16 == pytest.approx(312e12, rel=1e-12)
-    assert s.device.memory_bytes == pytest.approx(80e9, rel=1e-12)
+    assert s.device.memory_bytes == 85_056_798_720  # what torch reports of the "80 GB" (80 GiB) of HBM2e
     assert s.network.nics_per_node == 8
 
 

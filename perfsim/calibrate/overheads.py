@@ -107,9 +107,10 @@ def as_trained(system, dtype: str, device_kind: str = "cpu"):
     """The profile as the harness trains in `dtype` on a `device_kind` device: gradients in the
     parameters' dtype, accumulated over micro-batches by autograd's in-place adds, updated by
     validate.optim.MasterAdam and freed after the step (zero_grad(set_to_none=True)), with none of
-    Megatron-Core's passes over a gradient buffer (perfsim.cost.grad_passes); on a GPU the host queueing kernels ahead of the device
-    (framework.host_overlap) and, in bf16, the step under torch.autocast (validate.gpt.autocast_for:
-    framework.autocast)."""
+    Megatron-Core's passes over a gradient buffer (perfsim.cost.grad_passes), its buffers' padding,
+    Transformer Engine's workspace or FP8 weights (perfsim.cost.stack_memory, fp8); on a GPU the
+    host queueing kernels ahead of the device (framework.host_overlap) and, in bf16, the step under
+    torch.autocast (validate.gpt.autocast_for: framework.autocast)."""
     from perfsim.calibrate.host_bound import ASYNCHRONOUS_KINDS
     from perfsim.cost.columns import ELEMENT_BYTES
 
@@ -118,7 +119,8 @@ def as_trained(system, dtype: str, device_kind: str = "cpu"):
     framework = dataclasses.replace(system.framework, grad_bytes_per_param=element,
                                     optimizer_bytes_per_param=float(master_adam_bytes(element)),
                                     grad_accumulation_bytes_per_param=3.0 * element, grads_set_to_none=1.0,
-                                    grad_buffer_pass_bytes_per_param=None,
+                                    grad_buffer_pass_bytes_per_param=None, workspace_bytes=None,
+                                    buffer_alignment_elements=None, fp8_param_gather=None,
                                     host_overlap=float(gpu), autocast=float(gpu and dtype == "bf16"))
     return dataclasses.replace(system, framework=framework)
 

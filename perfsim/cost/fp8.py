@@ -8,8 +8,10 @@ take one layout only, and the backward's data-gradient product needs the transpo
 per step after the optimizer has updated the weights (the copy is cached over the micro-batches),
 and per GEMM module the scaling state: an fp32 scale, inverse scale and amax history for each of
 its three forward tensors (input, weight, output) and two backward ones (output and input
-gradient). The embedding and the logits GEMM stay in bf16: Megatron-Core's output layer is not a
-Transformer Engine module.
+gradient). With framework.fp8_param_gather (Megatron-Core's --fp8-param-gather, as NVIDIA's FP8
+recipes run) the FP8 weight is the parameter itself and no bf16 weight is kept. The embedding and
+the logits GEMM stay in bf16: Megatron-Core's output layer is not a Transformer Engine module. What
+the FP8 layers keep for backward (FP8 copies of the linears' inputs) is perfsim.cost.memory's.
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ def stage_linear_weights(model, c, layers):
     return held / np.where(c.zero >= 3, c.dp_cp, 1)
 
 
-def weight_copy_bytes(model, c, layers):
+def weight_copy_bytes(model, c, layers, param_gather=None):
     """Bytes FP8 training adds to a device holding `layers` layers: the FP8 weight copies and
-    their transposes, and the scaling state of the layers' GEMM modules (0 unless c.fp8)."""
-    copies = FP8_COPIES * FP8 * stage_linear_weights(model, c, layers)
+    their transposes, and the scaling state of the layers' GEMM modules (0 unless c.fp8). With
+    `param_gather` (framework.fp8_param_gather: Megatron-Core's --fp8-param-gather, TE's FP8
+    primary weights) the FP8 weight is the parameter itself, its bf16 weight not kept: the
+    layers' linear weights cost their FP8 data and transpose, `c.element` bytes less each."""
+    held = stage_linear_weights(model, c, layers)
+    copies = FP8_COPIES * FP8 * held - (param_gather or 0) * c.element * held
     return c.fp8 * (copies + layers * GEMMS_PER_LAYER * SCALING_BYTES_PER_GEMM)
 
 

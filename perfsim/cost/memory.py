@@ -13,10 +13,10 @@ import functools
 
 import numpy as np
 
-from perfsim.cost import counts, fp8
+from perfsim.cost import counts, fp8, stack_memory
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
-from perfsim.cost.layer import BF16, FP32
+from perfsim.cost.layer import BF16, FP8, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -25,7 +25,7 @@ OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and varianc
 
 
 def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
-                     gathered_weight_bytes=0.0, flash=0, element=BF16, autocast=0):
+                     gathered_weight_bytes=0.0, flash=0, element=BF16, autocast=0, fp8=0):
     """Bytes one layer keeps for backward per micro-batch on one device, tensor by tensor.
 
     `split` divides the tensors inside the tensor-parallel region, `region_split` the norm,
@@ -39,6 +39,9 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     `element` bytes (2 in bf16, the counts above; 4 when training in fp32), masks of 1. Under
     `autocast` (framework.autocast) a norm keeps the fp32 copy of its input it ran on, and the
     softmax its fp32 output beside the `element`-byte copy the context GEMM keeps (docs/equations.md 7.2).
+    In `fp8` (Transformer Engine's FP8 layers) each of the four linears keeps an FP8 copy of its
+    input (1 byte) instead of the input itself, and the fused attention kernel, unless recomputed,
+    keeps its own `element`-byte output beside the projection's FP8 copy of it (7.2, "FP8").
     """
     s, h, a, f, kv, e = model.seq, model.hidden, model.heads, model.ffn_size, model.kv_hidden, element
     sbh = s * b * h
@@ -46,16 +49,19 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     region_inputs = region_split if linear_input_split is None else linear_input_split
     inputs = split if linear_input_split is None else linear_input_split
     # norm inputs (2 x e sbh) and two dropout masks (1 byte each) in the norm region;
-    # QKV and FC1 inputs (2 x e sbh) there too, but kept by the linears
+    # QKV and FC1 inputs (2 x e sbh, or their FP8 copies) there too, but kept by the linears
     norm = FP32 if autocast else e  # what a norm keeps of its input
-    region = (2 * norm + 2 * mask) * sbh / region_split + 2 * e * sbh / region_inputs
+    linear = np.where(np.asarray(fp8) > 0, FP8, e)  # what a linear keeps of its input: the input, or TE's FP8 copy of it
+    region = (2 * norm + 2 * mask) * sbh / region_split + 2 * linear * sbh / region_inputs
     # Q and K for the scores, V for the context; the context is the projection's input. The unfused
     # core keeps K and V expanded to every query head (Megatron's repeat_interleave for kv_heads <
-    # heads); the fused kernel, and selective recomputation (the core's inputs), keep kv_heads of them
+    # heads); the fused kernel, and selective recomputation (the core's inputs), keep kv_heads of them.
+    # In FP8 the fused kernel's own output (kept for its backward) is not the projection's FP8 copy.
     kept_kv = np.where(flash, kv, np.where(recompute == SELECTIVE, kv, h))
-    attention = (e * sbh + 2 * e * s * b * kept_kv) / split + e * sbh / inputs
+    core_output = e * np.asarray(fp8) * np.asarray(flash) * (recompute == NONE)
+    attention = (e * sbh + 2 * e * s * b * kept_kv + core_output * sbh) / split + linear * sbh / inputs
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
-    mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + e * s * b * f / inputs
+    mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + linear * s * b * f / inputs
     probabilities = FP32 + e if autocast else e  # the softmax's output (and under autocast its cast copy)
     scores = (probabilities + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
     scores = np.where(recompute == SELECTIVE, 0, scores)
@@ -69,18 +75,18 @@ def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
     return activation_bytes(model, b, t, np.where(sp, t, 1), recompute)
 
 
-def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, element=BF16, autocast=0):
+def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, element=BF16, autocast=0, fp8=0):
     """Any tensor-parallel mode. 3d keeps X gathered over one axis ([b/q, h_in/q]) and W gathered
     ([h_in/q, h_out/q]) for backward unless it re-gathers them (tp_regather)."""
     if layout.mode != "3d":
         return activation_bytes(model, b, layout.split, layout.region_split, recompute, flash=flash, element=element,
-                                autocast=autocast)
+                                autocast=autocast, fp8=fp8)
     keep = np.where((layout.regather > 0) | (layout.q == 1), 0, 1)  # one device gathers nothing
     linear_weights = sum(counts.layer_params(model)[k] for k in ("qkv", "proj", "fc1", "fc2"))
     weights = keep * element * linear_weights / layout.q**2
     inputs = np.where(keep, layout.q**2, layout.size)
     kept = activation_bytes(model, b, layout.split, layout.region_split, recompute, inputs, weights, flash, element,
-                            autocast)
+                            autocast, fp8)
     return np.where(recompute == FULL, activation_bytes(model, b, layout.split, layout.region_split, recompute,
                                                         element=element, autocast=autocast), kept)
 
@@ -147,32 +153,37 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     weights = e * params / np.where(c.zero >= 3, dp, 1)
     # FSDP2's ZeRO-2 keeps the shard, the module's parameter, beside the copy gathered for the step
     weights = weights + np.where(fsdp2 & (c.zero == 2), e * params / dp, 0)
-    weights = weights + fp8.weight_copy_bytes(model, c, stage_layer_count(model, c, stage))  # FP8 copies, scaling state
+    layers = stage_layer_count(model, c, stage)
+    # FP8 copies (or FP8 weights in place of the bf16 ones) and their scaling state
+    weights = weights + fp8.weight_copy_bytes(model, c, layers, fw.fp8_param_gather)
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     # Gradients freed after every step (zero_grad(set_to_none=True)) and no buffer of their own (no
     # data parallelism, DDP's buckets): with one micro-batch, not yet allocated when the backward
     # starts, the peak (7.4)
     grads = np.where(bool(fw.grads_set_to_none) & (c.microbatches == 1) & (p == 1) & (dp == 1), 0.0, grads)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
+    first = (p == 1) | (not last_stage and not second)
+    last = (p == 1) | last_stage
+    # the distributed optimizer's alignment padding in the parameter and gradient buffers (7.1)
+    padding = stack_memory.bucket_padding_elements(fw, c, params, stack_memory.parameter_tensors(model, layers, first,
+                                                                                                 last))
+    weights = weights + e * padding
+    grads = grads + fw.grad_bytes_per_param * padding
 
     layout = layout_of(model, c)
     autocast = fw.autocast
-    per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast)
+    per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
                  + ring_saved_bytes(model, c, e))
-    layers = stage_layer_count(model, c, stage)
     in_flight = microbatches_in_flight(c, last_stage)
     if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
         in_flight = np.where(c.schedule == GPIPE, c.microbatches, np.minimum(c.microbatches, p - 1))
     region = layout.region_split
     activations = layers * in_flight * per_layer
     # Full recomputation rebuilds one layer's activations at a time during backward.
-    # Full recomputation rebuilds one layer's activations at a time during backward.
-    whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast)
+    whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
     rebuilt = np.where(c.recompute == FULL, whole, 0)
     rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
     activations = activations + rebuilt
-    first = (p == 1) | (not last_stage and not second)
-    last = (p == 1) | last_stage
     if model.dropout:  # embedding dropout mask
         activations = activations + np.where(first, in_flight * s * b * h / region, 0)
     vocab = model.padded_vocab(t)
@@ -182,10 +193,13 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
 
     buffers = np.where(p > 1, 2 * e * s * b * h / t, 0)  # pipeline receive buffers
-    buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), e * s * b * h, 0)  # SP all-gather
+    # SP: the all-gathered input of a column-parallel linear (TE gathers its FP8 copy in FP8), while
+    # its GEMM runs; with userbuffers (tp_overlap) it is gathered into one of them instead (7.5)
+    gathered = np.where(np.asarray(c.fp8) > 0, FP8, e) * np.where(np.asarray(c.tp_overlap) > 0, 0, 1)
+    buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), gathered * s * b * h, 0)
     buffers = buffers + ring_attention_buffer_bytes(model, c)
     # selective recomputation's attention core, rebuilt for one layer's backward (7.5)
-    core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast)
+    core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast, c.fp8)
     buffers = buffers + np.where(c.recompute == SELECTIVE, core, 0)
     # the logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
     logits = e * s * b * vocab / t
@@ -216,8 +230,12 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
              np.where(layers > 0, at_reduce_scatter(layer_weights, layer_weights, head_gone + per_layer + rebuilt), 0),
              np.where(first, at_reduce_scatter(word, 0, head_gone + layers * per_layer + rebuilt), 0)]
     buffers = buffers + np.where(fsdp2, functools.reduce(np.maximum, calls, 0.0), 0)
+    buffers = buffers + stack_memory.workspace_bytes(fw, c)  # the GEMM library's workspace (7.5)
     live = weights + grads + optimizer + activations + buffers
-    buffers = buffers + fw.reserved_memory_bytes + fw.allocator_overhead_fraction * live
+    # outside the caching allocator: the runtime (context, communicators) and TE's userbuffers;
+    # inside it, its fragmentation over the live tensors (7.6)
+    outside = fw.reserved_memory_bytes + stack_memory.userbuffer_bytes(model, c)
+    buffers = buffers + outside + fw.allocator_overhead_fraction * live
     total = weights + grads + optimizer + activations + buffers
     return {"weights": weights, "gradients": grads, "optimizer": optimizer,
             "activations": activations, "buffers": buffers, "total": total}

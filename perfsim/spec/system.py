@@ -236,6 +236,16 @@ class Framework:
     # a step before the data-parallel reduction (Megatron-Core's NaN check and 1/dp scaling;
     # perfsim.cost.grad_passes); None: none.
     grad_buffer_pass_bytes_per_param: float | None = None
+    # Optional, 0 or 1: FP8 layers hold their weights in FP8 (Megatron-Core's --fp8-param-gather, TE's
+    # FP8 primary weights), with no bf16 copy beside them (perfsim.cost.fp8; docs/equations.md 3.11).
+    fp8_param_gather: float | None = None
+    # Optional: bytes the GEMM library's workspace holds in the caching allocator (Transformer
+    # Engine's cuBLAS workspace), repeated per userbuffers stream with tp_overlap; None: none.
+    workspace_bytes: float | None = None
+    # Optional: elements each parameter's start is aligned to in the distributed optimizer's
+    # contiguous parameter and gradient buffers (Megatron-Core: 64; buckets padded to lcm(dp, 128));
+    # None: no padding (perfsim.cost.stack_memory; docs/equations.md 7.1).
+    buffer_alignment_elements: float | None = None
 
 
 @dataclass(frozen=True)
@@ -286,7 +296,9 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
                            "layer_overhead_s": _NONNEG, "microbatch_overhead_s": _NONNEG,
                            "reduce_scatter_input_copies": _NONNEG, "tp_comm_sms": _NONNEG,
                            "dp_comm_sms": _NONNEG, "cp_comm_sms": _NONNEG,
-                           "grad_buffer_pass_bytes_per_param": _NONNEG},
+                           "grad_buffer_pass_bytes_per_param": _NONNEG,
+                           "fp8_param_gather": ("float", 0.0, 1.0, True), "workspace_bytes": _NONNEG,
+                           "buffer_alignment_elements": _COUNT},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "flash_score_s": _NONNEG,

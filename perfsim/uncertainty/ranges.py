@@ -30,7 +30,8 @@ DEFAULT_WIDTHS = {"spec": ("relative", 0.02), "derived": ("relative", 0.02), "me
 FIXED_KEYS = frozenset({"node.devices_per_node", "node.devices_per_card", "network.nics_per_node",
                         "device.memory_bytes", "framework.grad_bytes_per_param", "framework.dp_overlap",
                         "framework.tp_overlap", "framework.host_overlap", "framework.autocast",
-                        "framework.grads_set_to_none",
+                        "framework.grads_set_to_none", "framework.fp8_param_gather",
+                        "framework.buffer_alignment_elements",
                         "device.speed_reference_gemm_s", "device.speed_reference_norm_s"})
 
 
