@@ -35,7 +35,8 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     without SP, (sbh/t)(34 + 5as/h) with SP, 34sbh/t (or sbh(10 + 24/t)) with selective
     recomputation, and 2sbh (2sbh/t with SP) with full recomputation. With `flash` attention no
     s x s tensor is kept: the fused kernel keeps one fp32 log-sum-exp per query row and head
-    instead (4as b/t bytes), and selective recomputation has nothing left to drop. Tensors are of
+    instead (4as b/t bytes), which selective recomputation drops with the rest of the core (its
+    checkpoint keeps Q, K and V). Tensors are of
     `element` bytes (2 in bf16, the counts above; 4 when training in fp32), masks of 1. Under
     `autocast` (framework.autocast) a norm keeps the fp32 copy of its input it ran on, and the
     softmax its fp32 output beside the `element`-byte copy the context GEMM keeps (docs/equations.md 7.2).
@@ -64,8 +65,8 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + linear * s * b * f / inputs
     probabilities = FP32 + e if autocast else e  # the softmax's output (and under autocast its cast copy)
     scores = (probabilities + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
-    scores = np.where(recompute == SELECTIVE, 0, scores)
     scores = np.where(flash, FP32 * a * s * b / split, scores)
+    scores = np.where(recompute == SELECTIVE, 0, scores)  # the checkpointed core keeps its inputs alone
     kept = region + attention + mlp + gathered_weight_bytes + scores
     return np.where(recompute == FULL, e * sbh / region_split, kept)
 
