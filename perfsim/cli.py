@@ -92,6 +92,15 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
                         "last stage leave spread evenly over the other stages")
     g.add_argument("--last-stage-layers", dest="last_stage_layers", type=_positive,
                    help="layers of the last pipeline stage (default: as the others)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", dest="account_for_embedding", action="store_true",
+                   default=None, help="count the embedding as a layer of the first stage's first chunk, as Megatron-Core "
+                   "does: one layer fewer there (layers + 1, or + 2 with the loss, a multiple of pp x vpp)")
+    g.add_argument("--account-for-loss-in-pipeline-split", dest="account_for_loss", action="store_true", default=None,
+                   help="count the loss as a layer of the last stage's last chunk: one layer fewer there")
+    g.add_argument("--pp-layout", dest="pp_layout", metavar="LAYOUT",
+                   help="Megatron-Core's pipeline layout (--pipeline-model-parallel-layout), e.g. 'Et*3|(tt|)*29,m|L': "
+                        "E embedding, t decoder layer, m MTP layer, L loss, | a virtual stage boundary; or a .toml file "
+                        "holding one (docs/equations.md 9.4); its virtual stages / pp give --vpp")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
     g.add_argument("--dp", type=_positive, help="data-parallel size (default: devices / (tp x cp x pp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -117,7 +126,7 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
 
 PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
               "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap", "cp", "first_stage_layers",
-              "last_stage_layers")
+              "last_stage_layers", "pp_layout")
 
 
 def is_builtin(args) -> bool:
@@ -179,6 +188,7 @@ def build_case(args):
     if derived:
         fields["dp"] = derived_dp(devices, tp, pp, fields.get("cp", 1))
     fields.setdefault("gbs", fields.get("mbs", 1) * fields["dp"])
+    fields = pipeline_split_fields(args, model, fields)
     if fields.get("vpp", 1) > 1:
         fields.setdefault("schedule", "interleaved")
     fields = stack_defaults(system, fields)
@@ -190,6 +200,41 @@ def build_case(args):
     if problems:
         raise PerfsimError(_derived_dp_problem(args, plan, problems))
     return model, system, plan
+
+
+def pipeline_split_fields(args, model, fields: dict) -> dict:
+    """`fields` with the pipeline layout read (--pp-layout: a string, or a .toml file holding one)
+    and its vpp where --vpp is left out, and Megatron-Core's --account-for-embedding/loss-in-pipeline-split
+    as the first and last stage's layer counts (docs/equations.md 9.4)."""
+    import os
+
+    from perfsim.spec.layout import load_layout_file, virtual_stages
+
+    embedding, loss = bool(getattr(args, "account_for_embedding", None)), bool(getattr(args, "account_for_loss", None))
+    layout = fields.get("pp_layout")
+    if layout is not None:
+        if embedding or loss or "first_stage_layers" in fields or "last_stage_layers" in fields:
+            raise PerfsimError("--pp-layout places every layer itself: leave out --first-stage-layers, "
+                               "--last-stage-layers and --account-for-...-in-pipeline-split")
+        if layout.endswith(".toml") or os.path.sep in layout:
+            layout = fields["pp_layout"] = load_layout_file(layout)
+        stages = len(virtual_stages(layout)[0])
+        if "vpp" not in fields and stages % fields.get("pp", 1) == 0:
+            fields["vpp"] = stages // fields.get("pp", 1)
+    if not (embedding or loss):
+        return fields
+    if "first_stage_layers" in fields or "last_stage_layers" in fields:
+        raise PerfsimError("--account-for-embedding/loss-in-pipeline-split set the first and last stage's layers "
+                           "(as in Megatron-Core, not both ways): leave out --first-stage-layers and --last-stage-layers")
+    pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
+    slots = model.layers + embedding + loss
+    if pp < 2 or slots % (pp * vpp):
+        what = f"pp x vpp = {pp * vpp}" if vpp > 1 else f"pp {pp}"
+        raise PerfsimError(f"--account-for-...-in-pipeline-split counts the embedding and the loss as layers: "
+                           f"{model.layers} layers + {embedding + loss} = {slots} must be a multiple of {what}"
+                           + (" (and --pp 2 or more)" if pp < 2 else ""))
+    share = slots // pp
+    return fields | {"first_stage_layers": share - 1 if embedding else 0, "last_stage_layers": share - 1 if loss else 0}
 
 
 def stack_defaults(system, fields: dict) -> dict:

@@ -13,7 +13,7 @@ from perfsim.cost.stage import stage_costs
 from perfsim.errors import PerfsimError
 from perfsim.schedule.analytic import step_time
 from perfsim.spec.model import ModelSpec, load_model
-from perfsim.spec.plan import Plan, plan_problems
+from perfsim.spec.plan import Plan, plan_problems, uneven
 from perfsim.spec.system import System, for_dtype, load_system
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -45,6 +45,8 @@ class Prediction:
     # share of the step's compute time priced by the parametric curves away from any kernel the
     # profile measured (1 for a profile without measured tables; perfsim.cost.measured)
     compute_extrapolated_share: float = 1.0
+    # with an uneven split or a layout, what each pipeline stage holds (pipeline_stages); else empty
+    pipeline_stages: tuple = ()
 
     def as_json(self) -> dict:
         """The `perfsim predict --json` object (shared/DESIGN.md)."""
@@ -61,7 +63,7 @@ class Prediction:
             "fits": self.fits, "plan": self.plan.as_dict(), "model": self.model.as_dict(),
             "system": self.system.name, "dtype": self.dtype,
             "compute_extrapolated_share": self.compute_extrapolated_share,
-        }
+        } | ({"pipeline_stages": list(self.pipeline_stages)} if self.pipeline_stages else {})
 
 
 def peak_flops(system: System, dtype: str) -> float:
@@ -106,16 +108,20 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
         "mfu": model_flops / per_device / peak, "hfu": (model_flops + c.gbs * recompute) / per_device / peak,
         "time_breakdown_s": breakdown, "memory_bytes": {k: memory[k] for k in MEMORY_KEYS},
         "memory_peak_stage": memory["stage"], "fits": memory["total"] <= system.device.memory_bytes,
-        "peak_flops": peak, "compute_extrapolated_share": extrapolated_share(costs, c.pp),
+        "peak_flops": peak, "compute_extrapolated_share": extrapolated_share(costs, c.pp, c.layout),
     }
 
 
-def extrapolated_share(costs, pp):
+def extrapolated_share(costs, pp, layout=None):
     """Share of a step's compute (and recompute) time priced by the parametric curves alone: the
     stages' curve parts over their compute, the first and last stage once each and pp - 2 middle
-    stages (with pp 1 the first stage holds everything)."""
-    weights = (1.0, np.maximum(pp - 2, 0), np.where(pp > 1, 1.0, 0.0))
-    stages = (costs.first, costs.middle, costs.last)
+    stages (with pp 1 the first stage holds everything), or every stage of a layout once."""
+    if layout is not None:
+        stages = [s for s, _ in costs.by_position.values()]
+        weights = [1.0] * len(stages)
+    else:
+        weights = (1.0, np.maximum(pp - 2, 0), np.where(pp > 1, 1.0, 0.0))
+        stages = (costs.first, costs.middle, costs.last)
     curve = sum(w * s.curve for w, s in zip(weights, stages))
     return np.clip(curve / sum(w * (s.compute + s.recompute) for w, s in zip(weights, stages)), 0.0, 1.0)
 
@@ -138,4 +144,28 @@ def predict(model: ModelSpec | str, system: System | str, plan: Plan, dtype: str
         memory_peak_stage=str(r["memory_peak_stage"]), device_memory_bytes=system.device.memory_bytes,
         fits=bool(r["fits"]), plan=plan, model=model, system=system, dtype=dtype,
         compute_extrapolated_share=float(r["compute_extrapolated_share"]),
+        pipeline_stages=pipeline_stages(model, system, plan, dtype) if uneven(plan) else (),
     )
+
+
+def pipeline_stages(model: ModelSpec, system: System, plan: Plan, dtype: str = "bf16") -> tuple:
+    """What each pipeline stage of a valid `plan` holds and does, stage by stage (docs/equations.md
+    9.4, 7.3): its chunks in Megatron-Core's layout letters, its decoder layers, parameters, the
+    micro-batches each chunk keeps in flight at the stage's activation peak, and its time per
+    micro-batch (all chunks)."""
+    from perfsim.cost import pipeline
+    from perfsim.cost.memory import stage_params
+
+    c = at_dtype(columns_of(plan), dtype)
+    costs = stage_costs(model, for_dtype(system, dtype), c, peak_flops(system, dtype))
+    out = []
+    for i in range(plan.pp):
+        pos = pipeline.position_of(c, i)
+        layers = pipeline.chunk_layers(model, c, pos)
+        edges = pipeline.chunk_edges(c, pos)
+        chunks = ["E" * e + "t" * n + "m" * u + "L" * loss for n, (e, loss, u) in zip(layers, edges)]
+        _, in_flight = pipeline.peak_state(c, i, [n + u for n, (_, _, u) in zip(layers, edges)])
+        out.append({"stage": i, "chunks": chunks, "layers": sum(layers), "mtp_layers": sum(u for _, _, u in edges),
+                    "params": float(stage_params(model, c, pos)), "in_flight": in_flight,
+                    "time_per_microbatch_s": float(costs.by_position[pos][0].total)})
+    return tuple(out)

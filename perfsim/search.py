@@ -15,6 +15,7 @@ spec.plan.plan_problems (tests/test_search.py checks they agree plan by plan).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -27,7 +28,8 @@ from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate, predict
 from perfsim.spec.model import ModelSpec
-from perfsim.spec.plan import ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order
+from perfsim.spec.plan import (ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order,
+                               edge_chunk_layers)
 from perfsim.spec.system import System
 
 INT_KNOBS = ("tp", "tp_depth", "cp", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers")
@@ -152,32 +154,62 @@ def _context_sizes(model: ModelSpec, mode: str, devices_left: int, fixes: dict) 
 
 def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
     """(schedule index, vpp): GPipe and 1F1B, and interleaved with every chunk count dividing the
-    stage. With one stage there is no pipeline: GPipe's order only keeps more micro-batches alive
-    (same time, more memory), so it is a candidate only where --fix leaves no 1F1B."""
+    stage, or the middle stages of a split `_auto_splits` proposes. With one stage there is no
+    pipeline: GPipe's order only keeps more micro-batches alive (same time, more memory), so it is
+    a candidate only where --fix leaves no 1F1B."""
     out = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b")]
-    if pp > 1 and model.layers % pp == 0:
-        out += [(SCHEDULES.index("interleaved"), v) for v in _divisors(model.layers // pp) if v > 1]
+    if pp > 1:
+        whole = [model.layers // pp] if model.layers % pp == 0 else []
+        chunks = {v for n in whole + [middle for _, _, middle in _auto_splits(model.layers, pp)]
+                  for v in _divisors(n) if v > 1}
+        out += [(SCHEDULES.index("interleaved"), v) for v in sorted(chunks)]
     allowed = [(s, v) for s, v in out if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"])
                and ("vpp" not in fixes or v in fixes["vpp"])]
     return sorted(allowed, key=lambda sv: SCHEDULES[sv[0]] != "1f1b")[:1] if pp == 1 else allowed
 
 
+@functools.lru_cache(maxsize=1024)
+def _auto_splits(layers: int, pp: int) -> tuple:
+    """(first, last, middle) layer counts of the uneven splits the search proposes on pp stages: the
+    first and last stage lighter than the others, which keeps the embedding and the loss from making
+    them the bottleneck, and pipelines layer counts pp does not divide (docs/equations.md 9.4).
+    Two rules: the ends ceil(L / pp) - 1 each, the rest even over the middle stages where that
+    divides (Llama 3 405B's 7 + 14 x 8 + 7 on pp 16); and the middle stages S = ceil((L + 2) / pp)
+    each, the embedding and the loss counted as a layer, the rest over the ends, one or two layers
+    lighter than S (126 layers on pp 8: 15 + 6 x 16 + 15, NVIDIA's Llama 3.1 405B recipe with
+    interleaving; 61 on pp 8: 7 + 6 x 8 + 6, DeepSeek-V3's but for its MTP layer). None that is the even split."""
+    out = []
+    if pp > 2:
+        ends = -(-layers // pp) - 1
+        rest = layers - 2 * ends
+        if ends >= 1 and rest % (pp - 2) == 0 and rest // (pp - 2) > ends:
+            out.append((ends, ends, rest // (pp - 2)))
+    if pp >= 2:
+        share = -(-(layers + 2) // pp)
+        rest = layers - (pp - 2) * share
+        first, last = -(-rest // 2), rest // 2
+        if 1 <= last and share - 2 <= last <= first <= share - 1:
+            out.append((first, last, share))
+    even = layers / pp  # a split giving every stage as many layers is the even one (pp 2 has no middle)
+    return tuple(dict.fromkeys(split for split in out
+                               if not (split[0] == split[1] == even and (pp == 2 or split[2] == even))))
+
+
 def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[tuple]:
-    """(first_stage_layers, last_stage_layers) to try: the even split (0, 0), and with three or more
-    stages and no interleaving the first and last stage one layer lighter than the most a stage
-    holds, ceil(L / pp) - 1 each, the rest even over the middle stages where that divides (Llama 3
-    405B's 7 + 14 x 8 + 7 on pp 16), which keeps the embedding and the loss from making them the
-    bottleneck. --fix first_stage_layers / last_stage_layers tries every count it allows (0: as the
-    other stages) with every count of the other end; the splits that do not divide are rejected."""
-    ends = -(-model.layers // pp) - 1
-    rest = model.layers - 2 * ends
-    auto = pp > 2 and vpp == 1 and ends >= 1 and rest % (pp - 2) == 0 and rest // (pp - 2) > ends
+    """(first_stage_layers, last_stage_layers) to try: the even split (0, 0), and `_auto_splits`
+    where its middle stages' layers fill the vpp chunks evenly and its ends' chunks fill (the chunk
+    holding the embedding or the loss may hold fewer: spec.plan.edge_chunk_layers).
+    --fix first_stage_layers / last_stage_layers tries every count it allows (0: as the other
+    stages) with every count of the other end; the splits that do not divide are rejected."""
+    auto = [(first, last) for first, last, middle in _auto_splits(model.layers, pp)
+            if middle % vpp == 0 and edge_chunk_layers(first, vpp) >= 0 and edge_chunk_layers(last, vpp) >= 0]
+    ends = auto[0][0] if auto else -(-model.layers // pp) - 1
     if "first_stage_layers" not in fixes and "last_stage_layers" not in fixes:
-        return [(0, 0), (ends, ends)] if auto else [(0, 0)]
+        return [(0, 0)] + auto
 
     def counts(knob):
         if knob not in fixes:
-            return [0, ends] if auto else [0]
+            return [0] + sorted({split[knob == "last_stage_layers"] for split in auto})
         spans = [range(max(r.start, 0), min(r.stop, model.layers + 1)) for r in fixes[knob].spans]
         if sum(len(r) for r in spans) > MOST_SPLIT_COUNTS:
             raise PerfsimError(f"--fix {knob} allows more than {MOST_SPLIT_COUNTS:,} layer counts; give a few, "
@@ -278,9 +310,12 @@ def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str
     first, last = cols["first_layers"], cols["last_layers"]
     others = pp - (first > 0) - (last > 0)
     rest = model.layers - first - last
-    uneven_misfit = np.where(others == 0, rest != 0, (rest < others) | (rest % np.maximum(others, 1) != 0))
-    reasons.append(("uneven pipeline split: needs pp 2 or more, no interleaving, the other layers even over the "
-                    "other stages", ((first > 0) | (last > 0)) & ((pp < 2) | (vpp > 1) | uneven_misfit)))
+    spread = others * vpp  # the other stages' chunks
+    uneven_misfit = np.where(others == 0, rest != 0, (rest < spread) | (rest % np.maximum(spread, 1) != 0))
+    unfilled = ((first > 0) & (edge_chunk_layers(first, vpp) < 0)) | ((last > 0) & (edge_chunk_layers(last, vpp) < 0))
+    reasons.append(("uneven pipeline split: needs pp 2 or more, the other layers even over the other stages and "
+                    "their chunks, the end stages' chunks filled",
+                    ((first > 0) | (last > 0)) & ((pp < 2) | uneven_misfit | unfilled)))
     reasons.append(("pp x vpp does not divide the layers", (model.layers % (pp * vpp) != 0)
                     & (cols["first_layers"] == 0) & (cols["last_layers"] == 0)))
     reasons.append(("the interleaved schedule needs pp of 2 or more", (cols["schedule"] == INTERLEAVED) & (pp < 2)))

@@ -47,6 +47,22 @@ def padded_vocab(vocab: int, tp: int, divisor: int = 128) -> int:
     return ((vocab + multiple - 1) // multiple) * multiple
 
 
+def search_rows_checked(model, devices: int, gbs: int, fixes: dict) -> list:
+    """The search's raw candidates (rank order tp-dp-pp) as (plan, rejected by the search's own
+    rules), each checked to be rejected exactly when spec.plan.plan_problems finds a problem."""
+    from perfsim.search import candidates, plan_at, rejection_reasons
+    from perfsim.spec.plan import plan_problems
+
+    rows = []
+    for mode, cols in candidates(model, devices, gbs, fixes):
+        invalid = sum(mask for _, mask in rejection_reasons(model, mode, cols)) > 0
+        for i in range(len(cols["tp"])):
+            plan = plan_at(mode, "tp-dp-pp", cols, i)
+            assert bool(invalid[i]) == bool(plan_problems(plan, model)), (plan, plan_problems(plan, model))
+            rows.append((plan, bool(invalid[i])))
+    return rows
+
+
 class CliResult:
     def __init__(self, code: int, out: str, err: str):
         self.code, self.out, self.err = code, out, err

@@ -155,13 +155,15 @@ def _readers(tmp):
         "chart-ledger": lambda p: ["chart", "validation", "--ledger", p, "--out", f"{tmp}/v.html"],
         "megatron-log": lambda p: ["validate", "--megatron-log", p, "--model", "gpt3-125m", "--system", "dgx-a100",
                                    "--devices", "1"],
+        "pp-layout": lambda p: ["predict", "--model", "gpt3-125m", "--system", "cpu-example", "--devices", "2",
+                                "--pp", "2", "--pp-layout", p],
     }
 
 
 BAD_FILES = ["missing", "directory", "fifo", "dev-null", "dev-zero", "dev-urandom", "socket", "dangling-link",
              "link-loop", "through-a-file", "empty-path", "nul-in-path", "newline-in-name", "huge", "binary",
              "latin-1", "utf-16", "empty-file", "name-too-long"]
-READERS = ["model", "system", "fit-ledger", "chart-ledger", "megatron-log"]
+READERS = ["model", "system", "fit-ledger", "chart-ledger", "megatron-log", "pp-layout"]
 
 
 @pytest.mark.parametrize("reader", READERS)
@@ -739,6 +741,12 @@ ARGV_CASES = [
     ("order-garbage", ["predict", *PREDICT, "--devices", "8", "--order", "tp-tp-tp"]),
     ("tp-axes-garbage", ["predict", *PREDICT, "--devices", "8", "--tp", "8", "--tp-axes", "x-y-z"]),
     ("unicode-preset", ["predict", "--model", "gpt3-１２５m"]),
+    ("pp-layout-garbage", ["predict", *PREDICT, "--devices", "2", "--pp", "2", "--pp-layout", "E(t|)*1e9L"]),
+    ("pp-layout-megabyte", ["predict", *PREDICT, "--devices", "2", "--pp", "2", "--pp-layout", "t" * 1_000_000]),
+    ("pp-layout-repeats-beyond-memory", ["predict", *PREDICT, "--devices", "2", "--pp", "2", "--pp-layout",
+                                         "E(t*9999999|)*9999999L"]),
+    ("pp-layout-with-counts", ["predict", *PREDICT, "--devices", "2", "--pp", "2", "--pp-layout", "Et*6|t*6L",
+                               "--first-stage-layers", "6"]),
     ("validate-plans-garbage", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--plans", "tp=two"]),
     ("validate-plans-empty", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--plans", ";;"]),
     ("partition-with-a-newline", ["validate", "--emit-slurm", "j.sbatch", "--nodes", "1", "--partition",

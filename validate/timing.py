@@ -110,7 +110,7 @@ HARNESS_REVISION = 2
 # Plan fields added after ledgers were written, with the value every earlier point ran with: a
 # plan at that value keys as before the field existed, so a ledger's points are still found.
 LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1,
-                     "first_stage_layers": 0, "last_stage_layers": 0}
+                     "first_stage_layers": 0, "last_stage_layers": 0, "pp_layout": ""}
 
 
 def harness_problems(plan) -> list:
@@ -122,9 +122,9 @@ def harness_problems(plan) -> list:
     for knob in ("dp_overlap", "tp_overlap"):
         if getattr(plan, knob):
             problems.append(f"the harness issues its collectives between the computations; leave {knob} off")
-    if getattr(plan, "first_stage_layers", 0) or getattr(plan, "last_stage_layers", 0):
-        problems.append("the harness's pipeline splits the layers evenly over its stages; leave first_stage_layers "
-                        "and last_stage_layers out")
+    if getattr(plan, "first_stage_layers", 0) or getattr(plan, "last_stage_layers", 0) or getattr(plan, "pp_layout", ""):
+        problems.append("the harness's pipeline splits the layers evenly over its stages; leave first_stage_layers, "
+                        "last_stage_layers and pp_layout out")
     return problems
 
 

@@ -12,8 +12,10 @@ from functools import cached_property
 
 import numpy as np
 
+from perfsim.cost import pipeline
 from perfsim.cost.collectives import group_strides
-from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, stage_layers, ranks_order
+from perfsim.spec.layout import parse_layout
+from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, ranks_order
 
 NONE, SELECTIVE, FULL = (RECOMPUTE.index(r) for r in ("none", "selective", "full"))
 GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved"))
@@ -40,6 +42,7 @@ class Columns:
     first_layers: object = 0  # the first stage's own layer count (0: even split; stage_layer_count)
     last_layers: object = 0  # the last stage's own layer count (0: even split)
     cp: object = 1  # context parallelism: ranks sharing each sequence
+    layout: object = None  # a PipelineLayout (spec/layout.py) placing every layer, one per batch; None: the counts above
     element: float = 2.0  # bytes of a weight and an activation element: 2 (bf16, fp16, fp8's bf16), 4 in fp32 (at_dtype)
     tp_mode: str = "1d"
     order: str = "tp-dp-pp"
@@ -48,8 +51,10 @@ class Columns:
     # (`stacked`); None: every row's from `order`.
     order_strides: dict | None = None
 
-    @property
+    @cached_property
     def microbatches(self):
+        """Micro-batches each pipeline runs per step. Cached: the cost code asks for it dozens of
+        times a batch, a floor division over a million plans each time."""
         return self.gbs // (self.mbs * self.dp)
 
     @cached_property
@@ -99,31 +104,26 @@ def columns_of(plan: Plan) -> Columns:
                    flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
                    cp=float(plan.cp), tp_mode=plan.tp_mode,
                    first_layers=float(plan.first_stage_layers), last_layers=float(plan.last_stage_layers),
-                   order=plan.order, tp_axes=plan.tp_axes)
+                   order=plan.order, tp_axes=plan.tp_axes,
+                   layout=parse_layout(plan.pp_layout, plan.pp) if plan.pp_layout else None)
 
 
 def columns_of_many(plans: list[Plan]) -> Columns:
-    """Plans sharing tp_mode, order and tp_axes, as arrays."""
+    """Plans sharing tp_mode, order and tp_axes (and a pipeline layout, if any), as arrays."""
     first = plans[0]
     one = [columns_of(p) for p in plans]
     arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
                                 "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap", "cp",
                                 "first_layers", "last_layers")}
-    return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes)
-
-
-STAGES = ("first", "middle", "last")
+    return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes, layout=one[0].layout)
 
 
 def stage_layer_count(model, c: Columns, stage: str):
-    """Layers on a device of the "first", a "middle" or the "last" pipeline stage: model.layers / pp,
-    or the plan's uneven split (spec.plan.stage_layers; with pp = 1 the one stage holds them all).
-    Worked out once per batch of columns and layer count: a search asks for them dozens of times."""
-    counts = c.__dict__.setdefault("_stage_layers", {})  # Columns are not changed after they are made
-    if model.layers not in counts:
-        counts[model.layers] = stage_layers(model.layers, c.pp, c.first_layers, c.last_layers)
-    return counts[model.layers][STAGES.index(stage)]
+    """Decoder layers on a device of the "first", a "middle" or the "last" pipeline stage (or a
+    layout's "stage i"): model.layers / pp, the plan's uneven split (spec.plan.stage_layers; with
+    pp = 1 the one stage holds them all) or its layout (cost/pipeline.py)."""
+    return pipeline.layer_count(model, c, stage)
 
 
 def _array_fields(c: Columns) -> list[str]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfsim.cost import pipeline
 from perfsim.cost.columns import FULL, Columns, stage_layer_count
 from perfsim.cost.contention import overlap_efficiency
 from perfsim.cost.layer import MemoryOp, memory_time
@@ -70,9 +71,10 @@ def step_reduction_time(system: System, comm, c: Columns, params, units=1):
 
 def zero3_units(model, c: Columns, stage: str):
     """Modules ZeRO-3 (and FSDP2's ZeRO-2) gathers and reduces one at a time on a device of a
-    pipeline stage ("first", "middle" or "last"): its layers, and the word embedding and the head
-    (with the final norm) as modules of their own on the stages that hold them."""
-    edges = np.where(c.pp == 1, 2, {"first": 1, "middle": 0, "last": 1}[stage])
+    pipeline stage ("first", "middle", "last" or a layout's "stage i"): its layers (MTP layers
+    too), and the word embedding and the head (with the final norm) as modules of their own on the
+    stages that hold them."""
+    edges = pipeline.embedding_count(c, stage) + pipeline.loss_count(c, stage) + pipeline.mtp_count(c, stage)
     return stage_layer_count(model, c, stage) + edges
 
 

@@ -13,12 +13,13 @@ import functools
 
 import numpy as np
 
-from perfsim.cost import counts, fp8, stack_memory
+from perfsim.cost import counts, fp8, pipeline, stack_memory
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP8, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
 from perfsim.spec.model import ModelSpec
+from perfsim.spec.plan import edge_chunk_layers
 from perfsim.spec.system import System
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and variance
@@ -92,24 +93,30 @@ def layout_activation_bytes(model: ModelSpec, layout, b, recompute, flash=0, ele
                                                         element=element, autocast=autocast), kept)
 
 
-def microbatches_in_flight(c: Columns, last_stage: bool):
-    """Micro-batches whose activations a stage holds at its peak.
+def microbatches_in_flight(c: Columns, last_stage: bool = False, stage=None):
+    """Micro-batches whose activations a stage holds at its peak, in units of the stage's whole
+    layers; `stage` the stage's index (default 0, or pp - 1 for the last stage).
 
-    GPipe: all m. 1F1B: the first stage p (or m if fewer), the last one. Interleaved with v chunks,
-    in units of a whole stage's layers: the first stage p (1 + (p-1)/(p v)) (Korthikanti), the
-    last ((v-1) p + 1) / v = p - (p-1)/v (Megatron's warm-up count for the last rank).
+    GPipe: all m. 1F1B: stage i min(m, p - i) (the first p, the last one). Interleaved with v
+    chunks: Megatron-Core's warm-up count plus one, (2 (p - i - 1) + (v - 1) p + 1) chunks: the
+    first stage p (1 + (p-1)/(p v)) (Korthikanti), the last ((v-1) p + 1) / v = p - (p-1)/v; all m
+    when m = p (every forward runs before the first backward). With chunks of unequal layers the
+    peak is the most over the schedule (pipeline.peak_state; docs/equations.md 7.3).
     """
     m, p, v = c.microbatches, c.pp, c.vpp
-    if last_stage:
-        steady = np.where(c.schedule == INTERLEAVED, p - (p - 1) / v, 1)
-    else:
-        steady = np.where(c.schedule == INTERLEAVED, p * (1 + (p - 1) / (p * v)), np.minimum(m, p))
+    i = (p - 1 if last_stage else 0 * p) if stage is None else stage
+    chunks = np.where(i == 0, p * (1 + (p - 1) / (p * v)),
+                      np.where(i == p - 1, p - (p - 1) / v, (2 * (p - i - 1) + (v - 1) * p + 1) / v))
+    interleaved = np.where(pipeline.warmup_forwards(p, i, m, v) == m * v, m, chunks)
+    steady = np.where(c.schedule == INTERLEAVED, interleaved, np.minimum(m, p - i))
     return np.where(c.schedule == GPIPE, m, steady)
 
 
 def stage_params(model: ModelSpec, c: Columns, stage: str):
-    """Parameters one device holds for the "first", a "middle" or the "last" pipeline stage,
-    before ZeRO-3 sharding.
+    """Parameters one device holds for the "first", a "middle" or the "last" pipeline stage (or a
+    layout's "stage i"), before ZeRO-3 sharding: its layers, and the embedding and the head (final
+    norm and output layer) where it holds them. An MTP layer (layouts) is a layer, and its stage
+    holds the head and the word embedding it runs unless it holds them already (9.4).
 
     1d shards the linears and the vocabulary t ways and replicates norms (the final one too) and
     the row-parallel biases; 2d and 2.5d shard everything, the final norm included, q^2 ways (2.5d
@@ -128,26 +135,30 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
         final_norm = counts.norm_params(model) / shard
-    params = per_layer * stage_layer_count(model, c, stage)
+    mtp = pipeline.mtp_count(c, stage)
+    params = per_layer * (stage_layer_count(model, c, stage) + mtp)
     word = model.padded_vocab(t) * h / shard
     first = word + position
     last = final_norm + np.where(model.tied_embeddings & (p == 1), 0, word)
-    if stage == "middle":
-        return params
-    return params + np.where(p == 1, first + last, last if stage == "last" else first)
+    embedding, loss = pipeline.embedding_count(c, stage), pipeline.loss_count(c, stage)
+    if mtp:
+        embedding, loss = max(embedding, 1), max(loss, 1)
+    return params + (embedding * first + loss * last)
 
 
-def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool, second: bool = False) -> dict:
+def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool = False, second: bool = False,
+                     position: str | None = None) -> dict:
     """Bytes by kind on one device of the first (or last) stage; `second`: the second stage, the
     middle stage with the most micro-batches in flight (1F1B: pp - 1), which an uneven split may
-    give more layers than the first (docs/equations.md 9.4)."""
+    give more layers than the first (docs/equations.md 9.4); `position`: any stage position
+    (cost/pipeline.py: "first", "middle" for the second stage, "last", a layout's "stage i")."""
     # A context-parallel rank holds s/cp tokens of each of mbs sequences: the tokens of mbs/cp whole
     # sequences, and (causal load balancing) their attention scores too, so every per-token tensor
     # below is that of b = mbs/cp; ZeRO shards over the dp-cp group (docs/equations.md 11.6).
     b, t, dp, p = c.mbs / c.cp, c.tp, c.dp_cp, c.pp
     s, h = model.seq, model.hidden
     fw = system.framework
-    stage = "middle" if second else "last" if last_stage else "first"
+    stage = position or ("middle" if second else "last" if last_stage else "first")
     params = stage_params(model, c, stage)
     fsdp2 = (fw.zero_implementation == "fsdp2") & (c.zero >= 2) & (dp > 1)
     e = c.element  # bytes of a weight and an activation element: 2, or 4 when training in fp32
@@ -163,8 +174,8 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     # starts, the peak (7.4)
     grads = np.where(bool(fw.grads_set_to_none) & (c.microbatches == 1) & (p == 1) & (dp == 1), 0.0, grads)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
-    first = (p == 1) | (not last_stage and not second)
-    last = (p == 1) | last_stage
+    first = np.asarray(pipeline.embedding_count(c, stage)) > 0  # the stage holds the embedding
+    last = np.asarray(pipeline.loss_count(c, stage)) > 0  # and the head and the loss
     # the distributed optimizer's alignment padding in the parameter and gradient buffers (7.1)
     padding = stack_memory.bucket_padding_elements(fw, c, params, stack_memory.parameter_tensors(model, layers, first,
                                                                                                  last))
@@ -175,23 +186,21 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     autocast = fw.autocast
     per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
                  + ring_saved_bytes(model, c, e))
-    in_flight = microbatches_in_flight(c, last_stage)
-    if second:  # 1F1B's warm-up on stage 1 (GPipe: all; an uneven split has no interleaving)
-        in_flight = np.where(c.schedule == GPIPE, c.microbatches, np.minimum(c.microbatches, p - 1))
+    in_flight = microbatches_in_flight(c, stage=pipeline.stage_index(c, stage))
     region = layout.region_split
-    activations = layers * in_flight * per_layer
+    activations, masks, mtp_heads = layer_activations(model, c, stage, per_layer,
+                                                      s * b * h / region if model.dropout else 0.0, in_flight)
     # Full recomputation rebuilds one layer's activations at a time during backward.
     whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
     rebuilt = np.where(c.recompute == FULL, whole, 0)
     rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
-    activations = activations + rebuilt
-    if model.dropout:  # embedding dropout mask
-        activations = activations + np.where(first, in_flight * s * b * h / region, 0)
+    activations = activations + rebuilt + masks  # and the embedding's dropout masks
     vocab = model.padded_vocab(t)
     # final norm input (fp32 under autocast), the logits GEMM input and the fp32 softmax the loss keeps
     norm_input = (FP32 if autocast else e) * s * b * h / region
     head = norm_input + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
+    activations = activations + mtp_heads * head  # the MTP layers' heads (layouts), as their chunks keep them
 
     buffers = np.where(p > 1, 2 * e * s * b * h / t, 0)  # pipeline receive buffers
     # SP: the all-gathered input of a column-parallel linear (TE gathers its FP8 copy in FP8), while
@@ -242,6 +251,36 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
             "activations": activations, "buffers": buffers, "total": total}
 
 
+def layer_activations(model: ModelSpec, c: Columns, stage: str, per_layer, mask, in_flight) -> tuple:
+    """(bytes the layers of the stage at `stage` keep at its peak, bytes of the embedding's dropout
+    masks then, MTP heads in flight then) from one layer's `per_layer` and one micro-batch's `mask`
+    (docs/equations.md 7.3-7.4). Chunks of equal layers: the layers times the `in_flight` stage-loads.
+    An interleaved end stage whose edge chunk holds fewer layers, and a layout's stages, peak where
+    their chunks' loads add up to the most over the schedule (pipeline.peak_state); the masks are
+    then in the load, on the embedding's chunk."""
+    layers, embedding = stage_layer_count(model, c, stage), pipeline.embedding_count(c, stage)
+    i = pipeline.stage_index(c, stage)
+    if c.layout is not None:
+        edges = pipeline.chunk_edges(c, stage)
+        loads = [(n + u) * per_layer + e * mask for n, (e, _, u) in zip(pipeline.chunk_layers(model, c, stage), edges)]
+        load, state = pipeline.peak_state(c, i, loads)
+        return load, 0.0, sum(u * n for (_, _, u), n in zip(edges, state))
+    masks = np.where(np.asarray(embedding) > 0, in_flight * mask, 0)
+    even = layers * in_flight * per_layer
+    q, edge = -(-layers // c.vpp), edge_chunk_layers(layers, c.vpp)
+    uneven = (c.schedule == INTERLEAVED) & (edge != q)  # only an end stage's edge chunk can differ
+    if stage == "middle" or not np.any(uneven):
+        return even, masks, 0.0
+    edge_load = edge * per_layer + (np.asarray(embedding) > 0) * mask
+    shape = np.broadcast(uneven, even, edge_load).shape
+    flat = lambda x: np.broadcast_to(x, shape).ravel()  # noqa: E731
+    rows = np.flatnonzero(flat(uneven))
+    exact = np.array(flat(even), dtype=float)
+    exact[rows] = pipeline.edge_chunk_peak(*(flat(x)[rows] for x in (c.pp, c.vpp, c.microbatches, i, q * per_layer,
+                                                                        edge_load)), 0 if stage == "first" else -1)
+    return np.where(uneven, exact.reshape(shape), even), np.where(uneven, 0.0, masks), 0.0
+
+
 def ring_saved_bytes(model: ModelSpec, c: Columns, element=BF16, kept=True):
     """What a layer's ring attention (cp > 1) keeps for backward beyond perfsim's flash layer: the
     key/value block its forward held last, where the backward's ring starts (Transformer Engine's
@@ -270,8 +309,17 @@ def allocated_bytes(total, framework):
 
 
 def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
-    """The stage (first or last; with an uneven split of 3 or more stages also the second) with the
-    largest total; `stage` says which."""
+    """The stage (first or last; with an uneven split of 3 or more stages also the second; with a
+    layout every stage) with the largest total; `stage` says which ("stage i" with a layout)."""
+    if c.layout is not None:  # the first stage holding the most (per draw, under uncertainty)
+        peak = None
+        for i in range(c.layout.pp):
+            pos = pipeline.position_of(c, i)
+            mem = memory_breakdown(model, system, c, position=pos)
+            use = True if peak is None else mem["total"] > peak["total"]
+            peak = {k: np.where(use, mem[k], peak[k] if peak else 0) for k in mem} | {
+                "stage": np.where(use, pos, peak["stage"] if peak else pos)}
+        return peak
     first = memory_breakdown(model, system, c, last_stage=False)
     last = memory_breakdown(model, system, c, last_stage=True)
     use_last = last["total"] > first["total"]

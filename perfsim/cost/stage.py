@@ -1,7 +1,8 @@
 """Time of one micro-batch on one device of a pipeline stage, by kind (docs/equations.md, section 8).
 
 A stage holds L/p layers; the first also holds the embedding, the last the final norm, the
-logits and the loss (with p = 1 one stage holds all). Per micro-batch a stage runs forward,
+logits and the loss (with p = 1 one stage holds all); an uneven split or a layout gives each stage
+its own (cost/pipeline.py). Per micro-batch a stage runs forward,
 backward (cost/layer.py) and what recomputation repeats, issues its tensor-parallel collectives
 (not overlapped, as in Megatron-LM and the 2D/3D implementations), and sends its activation
 forward and its gradient backward (v times each with v interleaved chunks).
@@ -13,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from perfsim.cost import clocks, contention
+from perfsim.cost import clocks, contention, pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.attention_dropout import fused_dropout_work
 from perfsim.cost.topology import TopologyCommModel as CommModel
@@ -62,6 +63,25 @@ class StageCosts:
     last: StageTime
     params_first: object
     params_last: object
+    # every position's (StageTime, parameters), the ends first (cost/pipeline.py: a layout's "stage i"
+    # too); None: first, middle and last as above, the middle's parameters from stage_params
+    by_position: dict | None = None
+    # what a stage's time is made of, for its chunks' shares (chunk_times): one layer (its sends a
+    # whole stage's), the embedding and the head with their collectives' times, the loop's time
+    parts: tuple | None = None
+
+    def stages(self, model, c) -> list:
+        """(position, StageTime, parameters, stages at the position) of every position, the ends first."""
+        from perfsim.cost.pipeline import stage_count
+
+        if self.by_position is None:
+            middle = stage_params(model, c, "middle")
+            found = {"first": (self.first, self.params_first), "last": (self.last, self.params_last),
+                     "middle": (self.middle, middle)}
+        else:
+            found = self.by_position
+        return [(pos, t, n, stage_count(c, pos) if pos in ("first", "middle", "last") and c.layout is None else 1)
+                for pos, (t, n) in found.items()]
 
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
@@ -131,28 +151,42 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                                head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
     head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
     layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
-    middle, first, last = (_times(layer_stage, stage_layer_count(model, c, s)) for s in ("middle", "first", "last"))
-    middle, first, last = (_with_loop(s, system.framework.microbatch_overhead_s) for s in (middle, first, last))
-    first = _plus(first, emb, tp_time(emb_fwd), tp_time(emb_bwd))
-    last = _plus(last, head, tp_time(head_fwd), tp_time(head_bwd))
-    single = _plus(first, head, tp_time(head_fwd), tp_time(head_bwd))
-    first, last = (_where(p == 1, single, s) for s in (first, last))
-    params_first, params_last = stage_params(model, c, "first"), stage_params(model, c, "last")
-    params_middle = stage_params(model, c, "middle")
-    middle, first, last = (_plus_compute(stage, gradient_accumulation_time(system, c, params))
-                           for stage, params in ((middle, params_middle), (first, params_first), (last, params_last)))
-    # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
     loop = system.framework.microbatch_overhead_s
-    middle, first, last = (_host_beside_device(stage, stage_layer_count(model, c, name), host, recompute_host, loop,
-                                               system.framework.host_overlap)
-                           for stage, name in ((middle, "middle"), (first, "first"), (last, "last")))
-
-    for name, stage, params in (("first", first, params_first), ("middle", middle, params_middle),
-                                ("last", last, params_last)):
+    edges = (emb, tp_time(emb_fwd), tp_time(emb_bwd)), (head, tp_time(head_fwd), tp_time(head_bwd))
+    found = {}
+    for name in pipeline.positions(c):
+        # a stage's layers (an MTP layer is one, with a head of its own), the loop, the embedding and the heads it holds
+        layers = stage_layer_count(model, c, name) + pipeline.mtp_count(c, name)
+        stage = _with_loop(_times(layer_stage, layers), loop)
+        stage = _plus(stage, *edges[0], pipeline.embedding_count(c, name))
+        stage = _plus(stage, *edges[1], pipeline.head_count(c, name))
+        params = stage_params(model, c, name)
+        stage = _plus_compute(stage, gradient_accumulation_time(system, c, params))
+        # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
+        stage = _host_beside_device(stage, layers, host, recompute_host, loop, system.framework.host_overlap)
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
-                                                  stage.backward, zero3_units(model, c, name),
-                                                  stage_layer_count(model, c, name))
-    return StageCosts(first, middle, last, params_first, params_last)
+                                                  stage.backward, zero3_units(model, c, name), layers)
+        found[name] = (stage, params)
+    ends = [found[name] for name in pipeline.positions(c)[:2]] if c.layout is not None else \
+        [found["first"], found["last"]]
+    middle = found["middle"][0] if c.layout is None else found[pipeline.positions(c)[-1]][0]
+    return StageCosts(ends[0][0], middle, ends[1][0], ends[0][1], ends[1][1], by_position=found,
+                      parts=(layer_stage, *edges, loop))
+
+
+def chunk_times(model: ModelSpec, c: Columns, costs: StageCosts, position: str) -> list:
+    """The StageTimes of the chunks of the stage at `position` (one plan), chunk 0 first, from what
+    its time is made of: each chunk's layers (MTP layers with their heads), the embedding and the
+    loss's head on the chunks holding them, 1/v of the loop's time and of the stage's sends. What
+    depends on the stage as a whole (the host time the device hides, gradient accumulation,
+    data-parallel waits) is not in them: they give the chunks' shares of the stage's time."""
+    layer_stage, embedding, head, loop = costs.parts
+    v = len(pipeline.chunk_layers(model, c, position))
+    out = []
+    for layers, (e, loss, mtp) in zip(pipeline.chunk_layers(model, c, position), pipeline.chunk_edges(c, position)):
+        chunk = replace(_with_loop(_times(layer_stage, layers + mtp), loop / v), pp_comm=layer_stage.pp_comm / v)
+        out.append(_plus(_plus(chunk, *embedding, e), *head, loss + mtp))
+    return out
 
 
 def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0,
@@ -196,14 +230,16 @@ def _plus_compute(stage: StageTime, backward_seconds) -> StageTime:
     return replace(stage, compute=stage.compute + backward_seconds, backward=stage.backward + backward_seconds)
 
 
-def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward) -> StageTime:
-    """`stage` with the embedding or the head added."""
-    return StageTime(compute=stage.compute + extra.time_s + extra.backward_s, recompute=stage.recompute,
+def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward, times=1) -> StageTime:
+    """`stage` with the embedding or the head added `times` times (0 or 1, or a head per MTP layer)."""
+    extra_fwd, extra_bwd, tp_forward, tp_backward = (times * x for x in (extra.time_s, extra.backward_s, tp_forward,
+                                                                          tp_backward))
+    return StageTime(compute=stage.compute + extra_fwd + extra_bwd, recompute=stage.recompute,
                      tp_comm=stage.tp_comm + tp_forward + tp_backward, cp_comm=stage.cp_comm, pp_comm=stage.pp_comm,
                      dp_comm=stage.dp_comm, forward_cp=stage.forward_cp,
-                     backward=stage.backward + extra.backward_s + tp_backward,
-                     forward_compute=stage.forward_compute + extra.time_s, forward_tp=stage.forward_tp + tp_forward,
-                     weight_grad=stage.weight_grad + extra.weight_grad_s, curve=stage.curve + extra.curve_s)
+                     backward=stage.backward + extra_bwd + tp_backward,
+                     forward_compute=stage.forward_compute + extra_fwd, forward_tp=stage.forward_tp + tp_forward,
+                     weight_grad=stage.weight_grad + times * extra.weight_grad_s, curve=stage.curve + times * extra.curve_s)
 
 
 def _times(stage: StageTime, layers) -> StageTime:
@@ -217,10 +253,6 @@ def _with_loop(stage: StageTime, seconds) -> StageTime:
     third of it in forward like a layer's host time."""
     return replace(stage, compute=stage.compute + seconds, forward_compute=stage.forward_compute + seconds / 3,
                    backward=stage.backward + 2 * seconds / 3)
-
-
-def _where(cond, a: StageTime, b: StageTime) -> StageTime:
-    return StageTime(**{f.name: np.where(cond, getattr(a, f.name), getattr(b, f.name)) for f in fields(StageTime)})
 
 
 @dataclass

@@ -8,6 +8,7 @@ it with these numbers (docs/equations.md, section 10).
 
 from __future__ import annotations
 
+from perfsim.cost import pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.columns import ELEMENT_BYTES, columns_of
 from perfsim.cost.context_parallel import kv_block_bytes
@@ -92,8 +93,8 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "
     pp = plan.dp * m * _pp_per_microbatch(model, plan, e)  # linear in the tokens: cp ranks send 1/cp each
     cp = plan.dp * m * _cp_per_microbatch(model, plan, e)
     c = columns_of(plan)
-    per_stage = [float(stage_params(model, c, s)) for s in ("first", "middle", "last")]
-    stages = per_stage[:1] if plan.pp == 1 else [per_stage[0]] + [per_stage[1]] * (plan.pp - 2) + [per_stage[2]]
+    held = {pos: float(stage_params(model, c, pos)) for pos in pipeline.positions(c)}
+    stages = [held[pipeline.position_of(c, i)] for i in range(plan.pp)]
     dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p, e).values()) for p in stages)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)

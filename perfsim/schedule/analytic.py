@@ -14,6 +14,8 @@ optimizer step and the framework's fixed per-step overhead.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from perfsim.cost.contention import overlap_efficiency
@@ -23,7 +25,6 @@ from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied
 from perfsim.cost.fp8 import weight_cast_time
 from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
-from perfsim.cost.memory import stage_params
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
 from perfsim.spec.model import ModelSpec
@@ -35,36 +36,33 @@ BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_b
 def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) -> tuple:
     """(step time in s, exposed-time breakdown dict whose values add up to it)."""
     m, p, v = c.microbatches, c.pp, c.vpp
-    first, last = stages.first.total, stages.last.total
-    total_all = first + last + np.maximum(p - 2, 0) * stages.middle.total
-    total_all = np.where(p == 1, first, total_all)
-    # the pipeline's pace: the first or last stage, or with an uneven split a middle one (docs/equations.md 9.4)
-    middle = np.where(p > 2, stages.middle.total, 0.0)
-    slowest = np.maximum(np.maximum(first, last), middle)
+    # every stage position (first, middle, last, or a layout's stages; cost/pipeline.py), the ends first
+    rows = stages.stages(model, c)
+    at = {pos: t for pos, t, _, _ in rows}
+    total_all = sum(count * t.total for _, t, _, count in rows)
+    # the pipeline's pace: the first or last stage, or with an uneven split or a layout another (docs/equations.md 9.4)
+    paces = [np.where(count > 0, t.total, 0.0) for _, t, _, count in rows]
+    slowest = functools.reduce(np.maximum, paces)
     pipeline = np.where(c.schedule == INTERLEAVED, m * slowest + (p - 1) / v * total_all / p,
                         (m - 1) * slowest + total_all)
 
-    last_is_slowest, middle_is_slowest = last > first, middle > np.maximum(first, last)
+    def slow_stage(of):  # `of` the slowest stage (position name -> value), the first in `rows` on a tie
+        return _first_at(paces, slowest, [of(pos) for pos, _, _, _ in rows])
 
-    def slow_stage(of):  # `of` the slowest stage ("first", "middle" or "last")
-        return np.where(middle_is_slowest, of("middle"), np.where(last_is_slowest, of("last"), of("first")))
-
-    kinds = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in stages.first.KINDS}
-    slow = {k: slow_stage(lambda s: getattr(getattr(stages, s), k)) for k in ("backward", "forward_compute", "forward_tp")}
+    kinds = {k: slow_stage(lambda s: getattr(at[s], k)) for k in stages.first.KINDS}
+    slow = {k: slow_stage(lambda s: getattr(at[s], k)) for k in ("backward", "forward_compute", "forward_tp")}
     breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm")}
     # Exactly zero without a pipeline; never negative from rounding.
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]
 
     comm = CommModel(system)
-    # the stage holding the most parameters: first or last, or with an uneven split a middle one
-    middle_params = np.where(p > 2, stage_params(model, c, "middle"), 0.0)
-    params = np.maximum(np.maximum(stages.params_first, stages.params_last), middle_params)
-    use_last = stages.params_last > stages.params_first
-    use_middle = middle_params > np.maximum(stages.params_first, stages.params_last)
+    # the stage holding the most parameters: first or last, or with an uneven split or a layout another
+    held = [np.where(count > 0, n, 0.0) for _, _, n, count in rows]
+    params = functools.reduce(np.maximum, held)
 
-    def heaviest(of):  # `of` the stage with the most parameters
-        return np.where(use_middle, of("middle"), np.where(use_last, of("last"), of("first")))
+    def heaviest(of):  # `of` the stage with the most parameters, the first in `rows` on a tie
+        return _first_at(held, params, [of(pos) for pos, _, _, _ in rows])
 
     units = heaviest(lambda s: zero3_units(model, c, s))
     reduction, gather = step_reduction_time(system, comm, c, params, units)
@@ -87,3 +85,11 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}
+
+
+def _first_at(keys: list, best, values: list):
+    """Row by row, values[k] of the first k whose keys[k] equals `best` (the last where none does)."""
+    out = values[-1]
+    for key, value in zip(reversed(keys[:-1]), reversed(values[:-1])):
+        out = np.where(key == best, value, out)
+    return out

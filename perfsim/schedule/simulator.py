@@ -36,7 +36,7 @@ from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
-from perfsim.cost.stage import StageCosts, stage_costs, stage_phases
+from perfsim.cost.stage import StageCosts, StagePhase, chunk_times, stage_costs, stage_phases
 from perfsim.cost.topology import TopologyCommModel, nic_of
 from perfsim.errors import PerfsimError
 from perfsim.schedule import engine
@@ -61,7 +61,8 @@ PP_FORWARD, PP_BACKWARD, DP_TRAFFIC, TP_TRAFFIC, TIED_TRAFFIC = 1, 2, 3, 4, 5
 class StepCosts:
     """Everything the simulation of one step needs, in seconds; per-position values are dicts over
     POSITIONS ("first", "middle", "last": a stage's time per micro-batch, all its chunks together;
-    with p = 1 only "first" is used, and holds the whole model)."""
+    with p = 1 only "first" is used, and holds the whole model), or over a layout's stages
+    ("stage 0" ... as `positions` names them, cost/pipeline.py)."""
 
     schedule: str
     p: int
@@ -106,6 +107,15 @@ class StepCosts:
     tp_cross: list = field(default_factory=list)
     tied_cross: bool = False
     share_links: bool = True   # False: every transfer takes its own time, whatever overlaps it
+    # The position of each stage (None: first, middle and last by index), and where a stage's chunks
+    # differ, each chunk's share of its per-position times: position -> {field: [share per chunk]}
+    # (cost/stage.py chunk_times). Without shares a chunk takes the middle's 1/v and the end chunks the
+    # first's and the last's extra (the embedding, the head).
+    positions: list | None = None
+    chunk_shares: dict = field(default_factory=dict)
+
+    def position(self, i: int) -> str:
+        return self.positions[i] if self.positions is not None else _position(i, self.p)
 
     @property
     def buckets(self) -> int:
@@ -126,17 +136,23 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     p, v, m, dp = int(c.pp), int(c.vpp), int(c.microbatches), int(c.dp_cp)
     schedule = schedule or PLAN_SCHEDULES[int(c.schedule)]
     comm = TopologyCommModel(system)
-    times = dict(zip(POSITIONS, (stages.first, stages.middle, stages.last)))
-    parts = dict(zip(POSITIONS, phases))
-    params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
-              "last": f(stages.params_last)}
+    if stages.by_position is not None:
+        times = {pos: t for pos, (t, _) in stages.by_position.items()}
+        parts = {pos: StagePhase(t.forward_compute, t.forward_tp, t.weight_grad) for pos, t in times.items()}
+        params = {pos: f(n) for pos, (_, n) in stages.by_position.items()}
+    else:
+        times = dict(zip(POSITIONS, (stages.first, stages.middle, stages.last)))
+        parts = dict(zip(POSITIONS, phases))
+        params = {"first": f(stages.params_first), "middle": f(stage_params(model, c, "middle")),
+                  "last": f(stages.params_last)}
+    keys = list(times)
     o = float(np.asarray(c.dp_overlap))  # 1: buckets overlap the last backward (and the gather the next forward)
     eta = float(overlap_efficiency(system, "dp"))  # less the SMs NCCL's channels hold (cost/contention.py)
     layers_per_chunk = max(1, model.layers // (p * v))
     zero = int(c.zero)
 
     def per(fn):
-        return {k: f(fn(k)) for k in POSITIONS}
+        return {k: f(fn(k)) for k in keys}
 
     optimizer = per(lambda k: optimizer_time(system, c, params[k]) + grad_buffer_pass_time(system, params[k])
                     + weight_cast_time(model, system, c, stage_layer_count(model, c, k)))
@@ -158,14 +174,14 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
     )
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731
-        chunk = {k: params[k] / v for k in POSITIONS}
-        units = {k: zero3_units(model, c, k) / v for k in POSITIONS}  # modules of one chunk
+        chunk = {k: params[k] / v for k in keys}
+        units = {k: zero3_units(model, c, k) / v for k in keys}  # modules of one chunk
         if zero <= 1:
             costs.reduction_rest = per(lambda k: reduction(params[k] * (1 - o))[0] if o < 1 else 0.0)
             costs.reduction_bucket = per(lambda k: reduction(chunk[k] * o / layers_per_chunk)[0] if o > 0 else 0.0)
         scatter = lambda n, calls=1: zero_microbatch_times(system, comm, c, n, calls)[0]  # noqa: E731
         if zero == 2:
-            calls = units if is_fsdp2(system) else {k: 1 for k in POSITIONS}
+            calls = units if is_fsdp2(system) else {k: 1 for k in keys}
             costs.scatter_rest = per(lambda k: scatter(chunk[k] * (1 - o), calls[k]) if o < 1 else 0.0)
             costs.scatter_bucket = per(lambda k: scatter(chunk[k] * o / layers_per_chunk) if o > 0 else 0.0)
         if zero == 3:
@@ -177,7 +193,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
             costs.zero_block_f = {k: (1 - o3) * g for k, g in gather.items()}
             costs.zero_block_b = per(lambda k: (1 - o3) * (backward_gathers * gather[k] + scatter(chunk[k], units[k])))
         if zero >= 2 and is_fsdp2(system):  # FSDP2's buffer copies, on the compute stream
-            copies = {k: [f(x) for x in fsdp2_copy_times(system, c, chunk[k])] for k in POSITIONS}
+            copies = {k: [f(x) for x in fsdp2_copy_times(system, c, chunk[k])] for k in keys}
             gathers_f, gathers_b = (1, int(zero3_gathers(system, c)) - 1) if zero == 3 else (0, 0)
             for k, (g, sc, acc) in copies.items():
                 costs.zero_block_f[k] = costs.zero_block_f.get(k, 0.0) + gathers_f * g
@@ -186,11 +202,37 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
             # overlapped, the gather runs bucket by bucket beside the next step's first forward; what
             # of it that forward cannot hide is drawn here, where the step that needs it begins
             gather = per(lambda k: step_reduction_time(system, comm, c, params[k], units[k] * v)[1])
-            forward = {k: costs.forward_compute[k] + costs.forward_tp[k] for k in POSITIONS}
+            forward = {k: costs.forward_compute[k] + costs.forward_tp[k] for k in keys}
             costs.post_gather = {k: overlapped_exposure(g, forward[k], layers_per_chunk * v, eta) if o else g
                                  for k, g in gather.items()}
+    _lay_out(costs, model, c, stages)
     _place(costs, system, c)
     return costs
+
+
+# StepCosts' per-chunk fields, from a StageTime (a chunk's, cost/stage.py chunk_times)
+CHUNK_FIELDS = {"forward_compute": lambda t: t.forward_compute, "forward_tp": lambda t: t.forward_tp,
+                "recompute": lambda t: t.recompute, "backward_compute": lambda t: t.compute - t.forward_compute,
+                "backward_tp": lambda t: t.tp_comm - t.forward_tp, "weight_grad": lambda t: t.weight_grad,
+                "forward_cp": lambda t: t.forward_cp, "backward_cp": lambda t: t.cp_comm - t.forward_cp}
+
+
+def _lay_out(costs: StepCosts, model: ModelSpec, c: Columns, stages: StageCosts) -> None:
+    """Each stage's position, and its chunks' shares of its times where they are not the middle's
+    1/v with the embedding and the head on the end chunks: a layout's stages, and the end stages of
+    an uneven split with interleaving (cost/pipeline.py)."""
+    if c.layout is not None:
+        costs.positions = [f"stage {i}" for i in range(costs.p)]
+    uneven = c.layout is not None or (costs.v > 1 and (float(c.first_layers) or float(c.last_layers)))
+    if not uneven or stages.parts is None:
+        return
+    for pos in dict.fromkeys(costs.position(i) for i in range(costs.p)):
+        chunks = chunk_times(model, c, stages, pos)
+        costs.chunk_shares[pos] = {}
+        for name, of in CHUNK_FIELDS.items():
+            values = [float(np.asarray(of(t))) for t in chunks]
+            total = sum(values)
+            costs.chunk_shares[pos][name] = [x / total if total > 0 else 1 / len(values) for x in values]
 
 
 def _place(costs: StepCosts, system: System, c: Columns) -> None:
@@ -263,9 +305,16 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
     of its own; where the send goes; whether the pass waits for data from another stage)."""
     p, v = k.p, k.v
 
-    def part(values: dict, chunk: int) -> float:
+    pos = k.position(i)
+    shares = k.chunk_shares.get(pos)
+
+    def part(name: str, chunk: int) -> float:
         """One chunk's share on stage i: the layers split evenly over the chunks, the embedding
-        on the first chunk of the first stage, the head on the last chunk of the last stage."""
+        on the first chunk of the first stage, the head on the last chunk of the last stage (or
+        the chunk's own share, where the stage's chunks differ)."""
+        values = getattr(k, name)
+        if shares is not None:
+            return values[pos] * shares[name][chunk]
         if p == 1:
             return values["first"]
         x = values["middle"] / v
@@ -279,15 +328,14 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
     split = k.tp_cross[i]  # a cross-node TP collective is a transfer of its own
     previous = (i - 1) % p
     for chunk in range(v):
-        wg = min(part(k.weight_grad, chunk), part(k.backward_compute, chunk)) if zb else 0.0
-        tp_f, tp_b = part(k.forward_tp, chunk), part(k.backward_tp, chunk)
-        pos = _position(i, p)
-        parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part(k.forward_compute, chunk)),
-                     (CP, part(k.forward_cp, chunk)), (TP, 0.0 if split else tp_f)],
+        wg = min(part("weight_grad", chunk), part("backward_compute", chunk)) if zb else 0.0
+        tp_f, tp_b = part("forward_tp", chunk), part("backward_tp", chunk)
+        parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part("forward_compute", chunk)),
+                     (CP, part("forward_cp", chunk)), (TP, 0.0 if split else tp_f)],
                  # the ring's waits sit inside every layer's backward: drawn ahead of the compute, and
                  # the gradient buckets released over both (_reduce), the last at the pass's compute end
-                 B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part(k.recompute, chunk)),
-                     (CP, part(k.backward_cp, chunk)), (COMPUTE, part(k.backward_compute, chunk) - wg),
+                 B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part("recompute", chunk)),
+                     (CP, part("backward_cp", chunk)), (COMPUTE, part("backward_compute", chunk) - wg),
                      (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():
@@ -328,7 +376,7 @@ def build(costs: StepCosts):
     zero3 = k.zero == 3 and k.dp > 1
     after = b.g.after
     for i in range(p):
-        pos = _position(i, p)
+        pos = k.position(i)
         dp_links = b.links(i) if k.dp_cross[i] else None
         order = orders[i]
         main_i = b.main[i]
@@ -485,7 +533,7 @@ def _finish(b: _Builder, k: StepCosts) -> None:
     p = k.p
     done = []
     for i in range(p):
-        pos = _position(i, p)
+        pos = k.position(i)
         links = b.links(i) if k.dp_cross[i] else None
         rest = k.reduction_rest.get(pos, 0.0) if k.zero <= 1 else 0.0
         if rest > 0:
@@ -504,7 +552,7 @@ def _finish(b: _Builder, k: StepCosts) -> None:
         b.tied = None
     sync = b.task(0, (), ("sync",), deps=[t for pair in done for t in pair] + last, stream=None)
     for i in range(p):
-        pos = _position(i, p)
+        pos = k.position(i)
         b._main_last[i] = -1
         b.task(i, ((OPTIMIZER, k.optimizer.get(pos, 0.0)),), ("optimizer step",), deps=(sync,))
         gather = k.post_gather.get(pos, 0.0)

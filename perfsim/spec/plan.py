@@ -52,6 +52,9 @@ class Plan:
     first_stage_layers: int = 0
     last_stage_layers: int = 0
     cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention, causal load balancing)
+    # A pipeline layout in Megatron-Core's string form (--pipeline-model-parallel-layout, spec/layout.py):
+    # every virtual stage's layers, embedding, loss and MTP layers; "" for a split by the counts above
+    pp_layout: str = ""
 
     @property
     def devices(self) -> int:
@@ -167,7 +170,7 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
                 else f"the sequence length {model.seq}"
             reasons.append(f"with --sp, tp {plan.tp} must divide {tokens}")
     reasons += context_parallel_problems(plan, model)
-    split = pipeline_split_problems(plan, model)
+    split = pipeline_split_problems(plan, model) + layout_plan_problems(plan, model)
     reasons += split
     if model.layers % (plan.pp * plan.vpp) and not split and not uneven(plan):
         what = f"pp x vpp = {plan.pp * plan.vpp}" if plan.vpp > 1 else f"pp {plan.pp}"
@@ -250,16 +253,43 @@ def _grid_problems(plan: Plan, model: ModelSpec) -> list[str]:
 
 
 def split_words(plan: Plan) -> str:
-    """An uneven pipeline split in words, "" for an even one: "7 layers on the first stage, 7 on the last"."""
-    words = [f"{plan.first_stage_layers} layers on the first stage"] if plan.first_stage_layers else []
+    """An uneven pipeline split in words, "" for an even one: "7 layers on the first stage, 7 on the
+    last", or "layout Et*3|(tt|)*29,m|L"."""
+    if plan.pp_layout:
+        return f"layout {plan.pp_layout}"
+    words = [f"{plan.first_stage_layers} layer{'s' * (plan.first_stage_layers != 1)} on the first stage"] \
+        if plan.first_stage_layers else []
     if plan.last_stage_layers:
-        words.append(f"{plan.last_stage_layers} {'on' if words else 'layers on'} the last")
+        layers = f"layer{'s' * (plan.last_stage_layers != 1)} on"
+        words.append(f"{plan.last_stage_layers} {'on' if words else layers} the last")
     return ", ".join(words)
 
 
 def uneven(plan: Plan) -> bool:
-    """Whether the plan gives its first or last stage a layer count of its own."""
-    return bool(plan.first_stage_layers or plan.last_stage_layers)
+    """Whether the plan gives its first or last stage a layer count of its own, or a layout."""
+    return bool(plan.first_stage_layers or plan.last_stage_layers or plan.pp_layout)
+
+
+def layout_plan_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Why the plan's pipeline layout (pp_layout) cannot lay out `model` under the plan: its own
+    problems (spec/layout.py), and where its chunk count or the plan's split disagree with it."""
+    if not plan.pp_layout:
+        return []
+    if not isinstance(plan.pp_layout, str):
+        return [f"pp_layout must be a Megatron-Core layout string, got {plan.pp_layout!r}"]
+    from perfsim.spec.layout import layout_problems, virtual_stages
+
+    problems = layout_problems(plan.pp_layout, plan.pp, model.layers)
+    if problems:
+        return problems
+    if plan.first_stage_layers or plan.last_stage_layers:
+        return ["a pipeline layout (--pp-layout) places every layer itself: leave out --first-stage-layers and "
+                "--last-stage-layers"]
+    vpp = len(virtual_stages(plan.pp_layout)[0]) // plan.pp
+    if plan.vpp != vpp:
+        return [f"the pipeline layout has {vpp * plan.pp} virtual stages: with pp {plan.pp} that is vpp {vpp}, "
+                f"not {plan.vpp} (leave --vpp out, or give {vpp})"]
+    return []
 
 
 def stage_layers(layers, pp, first_layers, last_layers) -> tuple:
@@ -283,18 +313,33 @@ def pipeline_split_problems(plan: Plan, model: ModelSpec) -> list[str]:
         return []
     if plan.pp < 2:
         return ["--first-stage-layers and --last-stage-layers need a pipeline (--pp 2 or more)"]
-    if plan.vpp > 1 or plan.schedule == "interleaved":
-        return ["uneven pipeline splits (--first-stage-layers, --last-stage-layers) are not modelled with the "
-                "interleaved schedule: leave out --vpp, or split evenly"]
     given = f"{model.layers} layers less {first + last} on the first and last stage"
     others = plan.pp - (first > 0) - (last > 0)
-    if others == 0:
-        return [] if first + last == model.layers else [
-            f"with pp 2 the first and last stage hold every layer: {first} + {last} must be {model.layers}"]
+    if others == 0 and first + last != model.layers:
+        return [f"with pp 2 the first and last stage hold every layer: {first} + {last} must be {model.layers}"]
     rest = model.layers - first - last
-    if rest < others or rest % others:
-        return [f"the {given} must spread evenly over the other {others} stages, at least one layer each "
+    v = plan.vpp if isinstance(plan.vpp, int) and plan.vpp > 1 else 1
+    if others and (rest < others * v or rest % (others * v)):
+        chunks = f" and {v} chunks each" if v > 1 else ""
+        return [f"the {given} must spread evenly over the other {others} stages{chunks}, at least one layer each "
                 f"(pp {plan.pp}, {model.layers} layers: e.g. --first-stage-layers "
                 f"{max(1, (model.layers + 2) // plan.pp - 1)} --last-stage-layers {max(1, (model.layers + 2) // plan.pp - 1)} "
                 f"where that divides)"]
-    return []
+    reasons = []
+    for name, count in (("first", first), ("last", last)):
+        if count and edge_chunk_layers(count, v) < 0:
+            reasons.append(f"{count} layers on the {name} stage do not fill its {v} chunks: each chunk but the one "
+                           f"holding the {'embedding' if name == 'first' else 'loss'} holds ceil({count}/{v}) = "
+                           f"{-(-count // v)} (docs/equations.md 9.4); give a count of at least {(v - 1) * -(-count // v)}, "
+                           f"a multiple of {v}, or a layout (--pp-layout)")
+    return reasons
+
+
+def edge_chunk_layers(layers, vpp):
+    """Layers of the chunk of an end stage that holds the embedding (the first stage's chunk 0) or
+    the loss (the last stage's chunk vpp - 1), when the stage holds `layers` layers over `vpp`
+    chunks: its other chunks hold ceil(layers / vpp) each (Megatron-Core's even chunks where vpp
+    divides the count; one layer fewer on the edge chunk is its --account-for-embedding-in-pipeline-split
+    and --account-for-loss-in-pipeline-split; docs/equations.md 9.4). Negative: the count cannot
+    fill the chunks. Numbers or numpy arrays."""
+    return layers - (vpp - 1) * -(-layers // vpp)
