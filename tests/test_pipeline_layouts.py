@@ -144,6 +144,23 @@ def test_the_toml_forms_are_the_string(tmp_path):
             load_layout_file(str(bad))
 
 
+@pytest.mark.parametrize("plan, same", [
+    (Plan(gbs=4, pp_layout="EtttL"), Plan(gbs=4)),
+    (Plan(pp=2, gbs=4, pp_layout="Ett|tL"), Plan(pp=2, gbs=4, first_stage_layers=2, last_stage_layers=1)),
+    (Plan(pp=3, gbs=6, pp_layout="Et|t|tL"), Plan(pp=3, gbs=6)),
+    (Plan(pp=2, vpp=2, schedule="interleaved", gbs=4, pp_layout="Et|t|t|tL"),
+     Plan(pp=2, vpp=2, schedule="interleaved", gbs=4, first_stage_layers=2, last_stage_layers=2)),
+], ids=["one-stage", "pp2", "pp3-even", "pp2-vpp2"])
+def test_a_layout_prices_as_the_split_it_writes(plan, same):
+    model = load_model("layers=4,hidden=64,heads=4,seq=32,vocab=128" if plan.vpp > 1
+                       else "layers=3,hidden=64,heads=4,seq=32,vocab=128")
+    a, b = predict(model, H100, plan), predict(model, H100, same)
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
+    assert a.memory_bytes["total"] == pytest.approx(b.memory_bytes["total"], rel=1e-12)
+    assert simulate(model, H100, plan).prediction.step_time_s == pytest.approx(
+        simulate(model, H100, same).prediction.step_time_s, rel=1e-9)
+
+
 # --- Llama 3.1 405B: TP 8, PP 8, VP 8, CP 2 on 1,024 H100s ---------------------------------------
 
 def test_llama_405b_recipe_three_ways_is_one_plan(run_cli):

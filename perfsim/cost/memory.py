@@ -255,21 +255,21 @@ def layer_activations(model: ModelSpec, c: Columns, stage: str, per_layer, mask,
     """(bytes the layers of the stage at `stage` keep at its peak, bytes of the embedding's dropout
     masks then, MTP heads in flight then) from one layer's `per_layer` and one micro-batch's `mask`
     (docs/equations.md 7.3-7.4). Chunks of equal layers: the layers times the `in_flight` stage-loads.
-    An interleaved end stage whose edge chunk holds fewer layers, and a layout's stages, peak where
-    their chunks' loads add up to the most over the schedule (pipeline.peak_state); the masks are
-    then in the load, on the embedding's chunk."""
+    An interleaved end stage whose edge chunk holds fewer layers, and a layout's stage of unlike
+    chunks (or MTP layers), peak where their chunks' loads add up to the most over the schedule
+    (pipeline.peak_state); the masks are then in the load, on the embedding's chunk."""
     layers, embedding = stage_layer_count(model, c, stage), pipeline.embedding_count(c, stage)
     i = pipeline.stage_index(c, stage)
-    if c.layout is not None:
-        edges = pipeline.chunk_edges(c, stage)
-        loads = [(n + u) * per_layer + e * mask for n, (e, _, u) in zip(pipeline.chunk_layers(model, c, stage), edges)]
-        load, state = pipeline.peak_state(c, i, loads)
+    edges = pipeline.chunk_edges(c, stage) if c.layout is not None else ()
+    chunks = [n + u for n, (_, _, u) in zip(pipeline.chunk_layers(model, c, stage), edges)] if edges else []
+    if len(set(chunks)) > 1 or any(u for _, _, u in edges):  # a layout's stage of unlike chunks
+        load, state = pipeline.peak_state(c, i, [n * per_layer + e * mask for n, (e, _, _) in zip(chunks, edges)])
         return load, 0.0, sum(u * n for (_, _, u), n in zip(edges, state))
     masks = np.where(np.asarray(embedding) > 0, in_flight * mask, 0)
     even = layers * in_flight * per_layer
     q, edge = -(-layers // c.vpp), edge_chunk_layers(layers, c.vpp)
     uneven = (c.schedule == INTERLEAVED) & (edge != q)  # only an end stage's edge chunk can differ
-    if stage == "middle" or not np.any(uneven):
+    if stage == "middle" or c.layout is not None or not np.any(uneven):
         return even, masks, 0.0
     edge_load = edge * per_layer + (np.asarray(embedding) > 0) * mask
     shape = np.broadcast(uneven, even, edge_load).shape

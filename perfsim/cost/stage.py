@@ -167,10 +167,11 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
         stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
                                                   stage.backward, zero3_units(model, c, name), layers)
         found[name] = (stage, params)
-    ends = [found[name] for name in pipeline.positions(c)[:2]] if c.layout is not None else \
-        [found["first"], found["last"]]
-    middle = found["middle"][0] if c.layout is None else found[pipeline.positions(c)[-1]][0]
-    return StageCosts(ends[0][0], middle, ends[1][0], ends[0][1], ends[1][1], by_position=found,
+    # first, middle and last as the fields name them (a layout's stage 0, 1 and pp - 1; one stage: all three)
+    p = int(c.layout.pp) if c.layout is not None else 3
+    first, middle, last = (found[pipeline.position_of(c, i) if c.layout is not None else name]
+                           for i, name in ((0, "first"), (min(1, p - 1), "middle"), (p - 1, "last")))
+    return StageCosts(first[0], middle[0], last[0], first[1], last[1], by_position=found,
                       parts=(layer_stage, *edges, loop))
 
 
