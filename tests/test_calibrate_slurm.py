@@ -99,6 +99,7 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     the step time (perfsim/calibrate/priority.py), each suite with its shares in a comment; the
     overheads suite (issue 15) comes after the kernel suites its provisional fit needs."""
     from perfsim.calibrate import SUITES
+    from perfsim.calibrate.overheads import OVERHEAD_RUNS, VARIANT_RUNS
     from perfsim.calibrate.priority import builtin_case_priorities
 
     text = emitted.read_text()
@@ -119,7 +120,8 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     (launch,) = [i for i, line in enumerate(lines) if line.strip().startswith("mpiexec") and "validate.steps" in line]
     last_suite = max(i for i, line in enumerate(lines) if line.startswith("mpiexec"))
     final_fit = lines.index("perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml")
-    assert last_suite < jobs < launch < final_fit and len(_overhead_runs(text)) == 5
+    assert last_suite < jobs < launch < final_fit
+    assert len(_overhead_runs(text)) == len(OVERHEAD_RUNS) + len(VARIANT_RUNS)  # the variants held out too
     assert any("--ledger smng-p2-overheads.jsonl" in line for line in lines)
     assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-provisional.toml" in lines
 
@@ -172,10 +174,11 @@ while [ "$#" -gt 0 ]; do [ "$1" = --out ] && cp """ + shlex.quote(str(REPO / "pe
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tmp_path, monkeypatch):
-    """The calibration job under bash with stand-ins: the overhead runs' five jobs go to one
-    launch after the provisional fit, each recorded in the steps ledger under the key perfsim
+    """The calibration job under bash with stand-ins: the overhead runs' jobs go to one launch
+    after the provisional fit, each recorded in the steps ledger under the key perfsim
     calibrate's local runs use (validate.timing), so the fit finds them. A run that fails its
     launch is left out and named, the others are measured, and the job goes on to the fit."""
+    from perfsim.calibrate.overheads import VARIANT_RUNS
     from perfsim.spec.plan import Plan
     from validate import timing
 
@@ -186,8 +189,10 @@ def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tm
     (tmp_path / "bin" / "perfsim").chmod(0o755)
     result, launches = _submit(job, tmp_path, dict(env, FAKE_FAIL_PLAN="layers=2"))
     assert result.returncode == 0, result.stderr
+    # every run of the two-layer model fails its launch (the held-out run, then each variant of it, all
+    # layers=2): each failure ends a launch and the next launch goes on with the runs left
     steps = [line for line in launches if "validate.steps" in line]
-    assert len(steps) == 1 and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
+    assert len(steps) == 1 + len(VARIANT_RUNS) and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
     assert "of model layers=2,hidden=256" in result.stderr and "is left out: launch-0 ended (exit status 1)" in result.stderr
     assert "fitting without" in result.stderr
     assert launches[-1].startswith("perfsim calibrate --fit cal.jsonl")  # the fit, after the runs
@@ -196,8 +201,8 @@ def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tm
     assert len(records) == 4 and [r["model"] for r in records] == [model for model, _ in runs if "layers=2" not in model]
     for r in records:
         assert r["key"] == timing.point_key(r["model"], Plan(**r["plan"]), "bf16", 3, 1, "xpu", 16)
-    result, launches = _submit(job, tmp_path, env)  # again, the failed run's files still there: nothing launched
-    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 1
+    result, launches = _submit(job, tmp_path, env)  # again, the failed runs' files still there: nothing launched
+    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 1 + len(VARIANT_RUNS)
 
 
 def test_script_workers_parse_as_perfsim_arguments(emitted):
