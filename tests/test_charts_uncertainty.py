@@ -155,7 +155,7 @@ def _flags(plan: dict) -> list:
             out.append(f"--{name}")
         elif value is False:
             out += [f"--no-{name}"] if key in ("dp_overlap", "tp_overlap") else []
-        elif not (key.endswith("stage_layers") and value == 0):
+        elif not (key.endswith("stage_layers") and value == 0) and not (key == "pp_layout" and value == ""):
             out.append(f"--{name}={value}")
     return out
 
