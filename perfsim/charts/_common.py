@@ -19,9 +19,11 @@ TERM_LABELS = {
     "dp_comm": "data-parallel communication (not hidden)",
     "optimizer": "optimizer step",
     "other": "framework overhead",
+    "synchrony": "waiting for the slowest rank",
 }
 TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
-                "pp_bubble": "#bab0ac", "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d"}
+                "pp_bubble": "#bab0ac", "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d",
+                "synchrony": "#72b7b2"}
 assert tuple(TERM_LABELS) == BREAKDOWN_KEYS
 
 # Peak device memory by kind (prediction.memory_bytes, without "total").

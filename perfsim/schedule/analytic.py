@@ -9,7 +9,8 @@ device shrinks the bubble v-fold:
     T = m max_i T_i + (p - 1)/v * mean_i T_i.
 After the pipeline drains: the data-parallel gradient reduction and weight gather (what of them
 does not hide behind the last backward and the first forward when the plan overlaps them), the tied-embedding gradient all-reduce between first and last stage, the
-optimizer step and the framework's fixed per-step overhead.
+optimizer step and the framework's fixed per-step overhead. Last, what the whole step waits for its
+slowest rank (framework.rank_jitter, cost/synchrony.py).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
+from perfsim.cost.synchrony import synchrony_time
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other")
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
+                  "synchrony")
 
 
 def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) -> tuple:
@@ -83,6 +86,9 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["optimizer"] = optimizer_time(system, c, params) + grad_buffer_pass_time(system, params) \
         + weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
     breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
+    # what the job waits for its slowest rank at the optimizer step, every group's wait nested in
+    # it (cost/synchrony.py; docs/equations.md 9.5)
+    breakdown["synchrony"] = synchrony_time(system, c, sum(breakdown[k] for k in BREAKDOWN_KEYS if k != "synchrony"))
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}
 

@@ -37,6 +37,7 @@ from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.memory import stage_params
 from perfsim.cost.stage import StageCosts, StagePhase, chunk_times, stage_costs, stage_phases
+from perfsim.cost.synchrony import expected_max_normal, rank_jitter, synchronised_ranks
 from perfsim.cost.topology import TopologyCommModel, nic_of
 from perfsim.errors import PerfsimError
 from perfsim.schedule import engine
@@ -51,8 +52,9 @@ ZERO_BUBBLE_ONE_CHUNK = "zb-h1 has one chunk per stage: leave out --vpp and --sc
 COMPUTE, RECOMPUTE, TP, PP, DP, OPTIMIZER, OTHER = "compute", "recompute", "tp_comm", "pp_comm", "dp_comm", \
     "optimizer", "other"
 CP = "cp_comm"  # ring attention's exposed waits, on the compute stream (context parallelism)
+SYNC = "synchrony"  # the job's wait for its slowest rank at the optimizer step (cost/synchrony.py)
 LANES = ("compute", "tp", "pp", "dp", "cp")
-LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0, CP: 4}
+LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0, CP: 4, SYNC: 0}
 # Traffic classes: transfers of one class never slow each other down further (engine.py).
 PP_FORWARD, PP_BACKWARD, DP_TRAFFIC, TP_TRAFFIC, TIED_TRAFFIC = 1, 2, 3, 4, 5
 
@@ -113,6 +115,9 @@ class StepCosts:
     # first's and the last's extra (the embedding, the head).
     positions: list | None = None
     chunk_shares: dict = field(default_factory=dict)
+    # sigma x E[max of n normals]: the step waits this share of itself for its slowest rank, at the
+    # job-wide synchronisation before the optimizer step (cost/synchrony.py)
+    synchrony: float = 0.0
 
     def position(self, i: int) -> str:
         return self.positions[i] if self.positions is not None else _position(i, self.p)
@@ -171,6 +176,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         overhead_s=float(shown_step_overhead(system, max(optimizer.values()))),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
         optimizer=optimizer,
+        synchrony=f(rank_jitter(system) * expected_max_normal(synchronised_ranks(c))),
     )
     if dp > 1:
         reduction = lambda n: step_reduction_time(system, comm, c, n)  # noqa: E731
@@ -528,8 +534,9 @@ def _blocker(b: _Builder, i: int) -> int:
 
 def _finish(b: _Builder, k: StepCosts) -> None:
     """After the last pass: the rest of the gradient reduction, the tied-embedding all-reduce, a
-    step-wide synchronisation (the gradient-norm all-reduce of clipping, timed as free), the
-    optimizer step, the ZeRO-1/2 weight all-gather, and the framework's per-step overhead."""
+    step-wide synchronisation (the gradient-norm all-reduce of clipping, timed as free but for the
+    wait for the slowest rank, set after the run: _wait_for_slowest_rank), the optimizer step, the
+    ZeRO-1/2 weight all-gather, and the framework's per-step overhead."""
     p = k.p
     done = []
     for i in range(p):
@@ -610,6 +617,7 @@ def run_step(costs: StepCosts) -> SimResult:
     finally:
         if collecting:
             gc.enable()
+    _wait_for_slowest_rank(b, start, end, costs.synchrony * max(end))
     step = max(end)
     stages = [_stage_summary(b, start, end, i, step) for i in range(costs.p)]
     reference = max(range(costs.p), key=lambda i: (stages[i]["busy_s"], -i))
@@ -619,6 +627,20 @@ def run_step(costs: StepCosts) -> SimResult:
                      critical_path=path, schedule=costs.schedule, p=costs.p, m=costs.m, v=costs.v,
                      tasks=len(b.g), wall_s=time.perf_counter() - clock, start=start, end=end, meta=b.meta,
                      main=b.main, side=b.side)
+
+
+def _wait_for_slowest_rank(b: _Builder, start, end, wait: float) -> None:
+    """The job-wide synchronisation before the optimizer step (`b.sync`) lasts `wait`: the step's
+    wait for its slowest rank (cost/synchrony.py). Every task after it, all built after it and none
+    sharing a link with one before it, moves by as much."""
+    if not wait > 0:
+        return
+    stage, _, label = b.meta[b.sync]
+    b.meta[b.sync] = (stage, ((SYNC, wait),), label)
+    end[b.sync] += wait
+    for t in range(b.sync + 1, len(end)):
+        start[t] += wait
+        end[t] += wait
 
 
 def _kinds_of(meta, s, e, lo=-math.inf, hi=math.inf):
@@ -697,10 +719,10 @@ def _attribute_gap(b, start, end, cause, waiter, lo, hi, side_tasks, out):
             if e > a:
                 out[DP] += e - a
                 known += e - a
-        elif x == b.tied:
+        elif x == b.tied or kind == SYNC:
             a = max(s, lo)
             if e > a:
-                out[PP] += e - a
+                out[PP if x == b.tied else SYNC] += e - a
                 known += e - a
         limit = min(limit, s)
         x = cause[x]

@@ -23,7 +23,7 @@ TRACE_EVENTS = 150_000   # about 15 MB of JSON
 CHART_BARS = 25_000      # a browser still pans and zooms such a chart smoothly
 
 KIND_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
-                "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d"}
+                "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d", "synchrony": "#72b7b2"}
 
 
 def _name(label, kind: str | None = None) -> str:

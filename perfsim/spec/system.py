@@ -246,6 +246,10 @@ class Framework:
     # contiguous parameter and gradient buffers (Megatron-Core: 64; buckets padded to lcm(dp, 128));
     # None: no padding (perfsim.cost.stack_memory; docs/equations.md 7.1).
     buffer_alignment_elements: float | None = None
+    # Optional: the coefficient of variation of a rank's step time, the part the job's other ranks
+    # do not share; a synchronous step waits for its slowest rank, sigma x E[max of n normals] of
+    # the step (perfsim.cost.synchrony; docs/equations.md 9.5). None or 0: every rank alike.
+    rank_jitter: float | None = None
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,7 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
                            "dp_comm_sms": _NONNEG, "cp_comm_sms": _NONNEG,
                            "grad_buffer_pass_bytes_per_param": _NONNEG,
                            "fp8_param_gather": ("float", 0.0, 1.0, True), "workspace_bytes": _NONNEG,
-                           "buffer_alignment_elements": _COUNT},
+                           "buffer_alignment_elements": _COUNT, "rank_jitter": ("float", 0.0, 1.0, True)},
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "flash_score_s": _NONNEG,
