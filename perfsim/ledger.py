@@ -252,6 +252,10 @@ def step_problem(record) -> str | None:
     for key in ("probe_expected_s", "norm_probe_expected_s"):
         if measured.get(key) is not None and not _number(measured[key]):
             return f"has a measured {key} that is not a number"
+    ranks = measured.get("rank_step_times_s")  # every rank's time per timed step, where recorded
+    if ranks is not None and not (isinstance(ranks, list) and len(ranks) == len(times) and all(
+            isinstance(r, list) and r and all(_number(t) and t > 0 for t in r) for r in ranks)):
+        return "has a measured rank_step_times_s that is not every rank's time per timed step"
     if not isinstance(record.get("plan"), dict):
         return "has no plan"
     predicted = record.get("predicted")

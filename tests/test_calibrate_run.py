@@ -118,14 +118,18 @@ def test_overheads_suite_trains_the_calibration_model_and_fits_the_loops_time(ru
                 "--ledger", str(ledger), "--out", str(out))
     assert r.code == 0, r.err
     steps, problems = read_ledger(overheads_ledger(str(ledger)), step_problem)
-    assert problems == [] and len(steps) == len(QUICK_RUNS)
-    assert {(load_model(x["model"]).layers, Plan(**x["plan"]).microbatches) for x in steps} == set(QUICK_RUNS)
+    runs = [x for x in steps if not x["measured"].get("alone")]
+    assert problems == [] and len(runs) == len(QUICK_RUNS) and len(steps) == len(QUICK_RUNS) + 1
+    assert {(load_model(x["model"]).layers, Plan(**x["plan"]).microbatches) for x in runs} == set(QUICK_RUNS)
     assert "framework overheads (real steps of the calibration model)" in r.out
     system = load_system(str(out))
     for key in ("step_overhead_s", "microbatch_overhead_s", "layer_overhead_s"):
         kind, source = system.provenance[f"framework.{key}"]
         assert kind == "calibrated" and "cal-overheads.jsonl" in source
         assert getattr(system.framework, key) >= 0
+    # the run alone on each rank: the ranks' spread, framework.rank_jitter
+    kind, source = system.provenance["framework.rank_jitter"]
+    assert kind == "calibrated" and "alone on each of 2 ranks" in source and 0 <= system.framework.rank_jitter < 1
 
 
 @pytest.mark.parametrize("op", mb.BACKWARD_OPS + mb.CROSS_ENTROPY_OPS)

@@ -1,6 +1,7 @@
 """The wait for the slowest rank (framework.rank_jitter, perfsim/cost/synchrony.py, docs/equations.md
-9.5): the expected maximum of n normals against its known values and a Monte Carlo draw, and both
-engines pricing the same term."""
+9.5): the expected maximum of n normals against its known values and a Monte Carlo draw, both
+engines pricing the same term, the harness's spread across ranks and the fit of rank_jitter from
+runs alone on every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 import perfsim
+from perfsim.calibrate.overheads import fit_rank_jitter, rank_spread
 from perfsim.cost.synchrony import expected_max_normal
+from perfsim.ledger import step_problem
 from perfsim.predict import predict
 from perfsim.schedule.simulator import simulate
 
@@ -79,3 +82,51 @@ def test_draws_price_the_jitter_as_arrays():
     r = evaluate(perfsim.load_model("gpt3-1.3b"), _jittered("dgx-a100", sigma), columns_of(PLANS[0]))
     base = r["step_time_s"][0]
     assert np.allclose(r["step_time_s"], base * (1 + sigma * expected_max_normal(8)))
+
+
+def _record(ranks: list, alone: bool = False, at_speed=None) -> dict:
+    measured = {"rank_step_times_s": ranks, "step_times_s": [max(r) for r in ranks]}
+    if alone:
+        measured["alone"] = True
+    if at_speed is not None:
+        measured["at_speed"] = at_speed
+    return {"measured": measured}
+
+
+def test_rank_spread_pools_each_steps_variance_and_drops_the_shared_part():
+    # every step's ranks 1 +- 0.1 about their mean, the mean itself moving (a machine-wide spell)
+    ranks = [[0.9, 1.1], [1.8, 2.2], [0.45, 0.55]]
+    x = rank_spread(_record(ranks, alone=True)["measured"])
+    assert x["cv"] == pytest.approx(0.1 * math.sqrt(2)) and x["wait"] == pytest.approx(0.1)
+    assert x["ranks"] == 2 and x["steps"] == 3 and x["alone"]
+    # the steps off the profile's speed are left out where some ran at it
+    y = rank_spread(_record(ranks + [[1.0, 3.0]], at_speed=[True, True, True, False])["measured"])
+    assert y["steps"] == 3 and y["cv"] == pytest.approx(x["cv"])
+    assert rank_spread({"step_times_s": [1.0]}) is None  # a record from before per-rank times
+    assert rank_spread(_record([[1.0], [1.1]])["measured"]) is None  # one rank
+
+
+def test_rank_jitter_is_fitted_from_the_runs_alone_and_only_from_them():
+    rng = np.random.default_rng(1)
+    alone = _record((1 + 0.08 * rng.standard_normal((400, 4))).tolist(), alone=True)
+    together = _record([[1.0, 1.001, 0.999, 1.0]] * 3)
+    values, notes = fit_rank_jitter([together, alone], "steps.jsonl")
+    assert values["framework.rank_jitter"].value == pytest.approx(0.08, rel=0.1)
+    assert "alone on each of 4 ranks" in values["framework.rank_jitter"].source
+    assert "the synchronised runs' ranks spread 0.082% (" in notes[0]
+    values, notes = fit_rank_jitter([together], "steps.jsonl")
+    assert values == {} and "has no run alone on every rank" in notes[0] and "left as in the base profile" in notes[0]
+    assert fit_rank_jitter([], "steps.jsonl") == ({}, [])
+
+
+def test_old_ledgers_without_per_rank_times_still_load_and_bad_ones_are_named():
+    from perfsim.ledger import LEDGER_SCHEMA
+
+    record = {"schema": LEDGER_SCHEMA, "key": "step:x", "suite": "step", "op": "training_step", "dtype": "bf16", "plan": {"dp": 2},
+              "measured": {"step_time_s": 1.0, "step_times_s": [1.0, 1.1], "peak_memory_bytes": 1.0, "flops": 1.0,
+                           "comm_bytes": 1.0, "activation_bytes": 1.0, "comm_bytes_by_kind": {}}}
+    assert step_problem(record) is None
+    assert step_problem(dict(record, measured=dict(record["measured"], rank_step_times_s=[[1.0, 0.9], [1.1, 1.0]]))) is None
+    for bad in ([[1.0, 0.9]], [[1.0, "x"], [1.1, 1.0]], [[], []]):
+        assert "rank_step_times_s" in step_problem(dict(record, measured=dict(record["measured"],
+                                                                               rank_step_times_s=bad)))

@@ -169,7 +169,7 @@ def first_run(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_json_entries_and_exact_counts(first_run):
-    _, results, messages = first_run
+    ledger, results, messages = first_run
     assert len(results) == 2 and len(messages) == 2 and "[2/2]" in messages[1]
     for r in results:
         for key in KEYS[1:]:
@@ -180,6 +180,12 @@ def test_json_entries_and_exact_counts(first_run):
         assert speed["probe_over_profile"] > 0 and 2 <= speed["steps"] <= 6
         assert speed["steps_at_speed"] == 2 or speed["steps"] == 6
         assert r["machine_matches_profile"] is (2 * speed["steps_at_speed"] >= speed["steps"])
+        # every rank's own time of every timed step, the job-wide time their slowest (gathered after the step)
+        record = next(json.loads(x)["measured"] for x in ledger.read_text().splitlines()
+                      if json.loads(x)["plan"] == r["plan"])
+        assert [max(ranks) for ranks in record["rank_step_times_s"]] == record["step_times_s"]
+        assert all(len(ranks) == 2 for ranks in record["rank_step_times_s"])
+        assert r["rank_spread"]["ranks"] == 2 and r["rank_spread"]["cv"] >= 0 and not r["rank_spread"]["alone"]
         # exact by construction of the harness: FLOPs and (for plain 1d) bytes sent
         assert r["flops"]["counted"] == pytest.approx(r["flops"]["predicted"], rel=1e-9)
     plain = results[0]

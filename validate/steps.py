@@ -10,9 +10,15 @@ counters (matrix FLOPs: LocalFlopCounter; bytes sent per collective kind: Collec
 peak of live bytes saved for backward: SavedBytes), then once more while the allocator's peak is
 recorded (Device.allocation_peak: what the build and the first step keep, not their transients),
 then `warmup - 1` more untimed steps, then times `steps` steps (each the slowest rank's time
-between two barriers). Rank 0 writes each plan's result to OUT as a line of JSON as soon as the
+between two barriers; every rank's own time is gathered after the timed step, outside it, for the
+spread across ranks). Rank 0 writes each plan's result to OUT as a line of JSON as soon as the
 plan is done; the command side (validate.timing) predicts the same plan and appends both to the
 ledger.
+
+A job marked `alone` runs its one-device plan on every rank at once, each rank its own copy with
+no collective inside the step (the barriers between steps stay): the ranks' step times then spread
+as the ranks' speeds do, which a synchronised step hides (each rank waits at its collectives for
+the slowest); perfsim calibrate fits framework.rank_jitter from them (perfsim.calibrate.overheads).
 
 A collective that never completes (a rank that hangs or dies) raises after `timeout` seconds
 (the process group's timeout), so the launch ends with an error instead of waiting forever.
@@ -35,8 +41,11 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 FAULT_ENV = "PERFSIM_VALIDATE_FAULT"  # test hook: "hang", "die" or "kill" (SIGKILL) ends the last rank in its first step
 
 
-def build_step(plan, model, device, dtype):
-    """The training step of `plan` on this rank (torch.distributed already initialised)."""
+def build_step(plan, model, device, dtype, alone: bool = False):
+    """The training step of `plan` on this rank (torch.distributed already initialised); `alone`: a
+    one-device plan run by this rank on its own, beside the other ranks' copies."""
+    if alone:
+        return TensorParallelStep(plan, model, device, dtype, alone=True)
     if getattr(plan, "cp", 1) > 1:
         from validate.context_parallel import build_step as build
     elif plan.pp > 1:
@@ -90,13 +99,20 @@ def measure(jobs: list, model, device_kind: str, dtype_name: str, steps: int, wa
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": dev.torch_device} if device_kind != "cpu" else {}))
     for job in jobs:
-        if ranks.world != job["plan"].devices:
-            raise ValueError(f"the plan uses {job['plan'].devices} devices but {ranks.world} ranks were started")
+        devices = 1 if job.get("alone") else ranks.world
+        if job["plan"].devices != devices:
+            raise ValueError(f"the plan uses {job['plan'].devices} devices but {devices} "
+                             f"{'are run alone on each rank' if job.get('alone') else 'ranks were started'}")
 
-    def job_wide(values, op):
+    def job_wide(values, op=None):
+        """The values reduced over the ranks by `op`; without one, every rank's values (a list per rank)."""
         t = torch.tensor(values, dtype=torch.float64, device=dev.torch_device if device_kind != "cpu" else "cpu")
-        dist.all_reduce(t, op=op)
-        return t.tolist()
+        if op is not None:
+            dist.all_reduce(t, op=op)
+            return t.tolist()
+        gathered = [torch.empty_like(t) for _ in range(ranks.world)]
+        dist.all_gather(gathered, t)
+        return [g.tolist() for g in gathered]
 
     started, overheads = time.perf_counter(), []  # each plan's seconds besides its timed steps
     for i, job in enumerate(jobs):
@@ -135,7 +151,7 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
     # what every step runs, and a step of its own for them cost a plan one step more (a minute of
     # a validation on a slow machine).
     with dev.allocation_peak() as allocated:
-        step = build_step(plan, model, dev.torch_device, dtype)
+        step = build_step(plan, model, dev.torch_device, dtype, alone=job.get("alone", False))
         _inject_fault(ranks.rank, ranks.world)
         flops, comms, saved = LocalFlopCounter(), CollectiveCounter(), SavedBytes(step.module.parameters())
         with flops, comms, saved.hooks(), skipped_blocks() as skipped:
@@ -157,19 +173,21 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
     # `steps` of them ran at the profile's speed and agree (steps_settled), or MAX_STEPS_FACTOR x
     # steps ran, or (past `steps`) the timed steps have taken retake_until_s (the plan's share of the
     # run's time budget). Every rank takes the job-wide (slowest rank's) step and probe times, so all
-    # decide alike.
+    # decide alike; each rank's own step time is kept too (gathered after the step, outside its timing).
     if job["reference_probes"]:
         probe, norm_probe = make_reference_probes(torch, dev)
     else:
         probe = make_probe(torch, dev, probe_gemm(model, plan), dtype_name)
         norm_probe = make_norm_probe(torch, dev, probe_norm(model, plan), dtype_name, norm_probe_expected_s)
-    times, probes, norm_probes, speed_flags = [], [], [], []
+    times, probes, norm_probes, speed_flags, rank_times = [], [], [], [], []
     while not steps_settled(times, speed_flags, steps, speed_tolerance) and len(times) < MAX_STEPS_FACTOR * steps \
             and (len(times) < steps or retake_until_s is None or sum(times) < retake_until_s):
         dist.barrier()
         probe_s, norm_s = probe(), norm_probe()
-        elapsed, probe_s, norm_s = job_wide([timed_step(), probe_s, norm_s], dist.ReduceOp.MAX)
+        every = job_wide([timed_step(), probe_s, norm_s])
+        elapsed, probe_s, norm_s = (max(rank[k] for rank in every) for k in range(3))
         times.append(elapsed)
+        rank_times.append([rank[0] for rank in every])
         probes.append(probe_s)
         norm_probes.append(norm_s)
         speed_flags.append(all_at_speed([probe_s, norm_s], [probe_expected_s, norm_probe_expected_s],
@@ -183,10 +201,10 @@ def _measure_plan(torch, dist, dev, ranks, job: dict, model, device_kind: str, d
     maxed = job_wide([float(peak), float(saved.peak)], dist.ReduceOp.MAX)
     return {
         "world": ranks.world, "backend": dist.get_backend(), "device": dev.describe(),
-        "step_times_s": times, "step_time_s": step_time(times, speed_flags),
+        "step_times_s": times, "step_time_s": step_time(times, speed_flags), "rank_step_times_s": rank_times,
         "probe_s": probes, "probe_expected_s": probe_expected_s, "at_speed": speed_flags,
         "norm_probe_s": norm_probes, "norm_probe_expected_s": norm_probe_expected_s,
-        "reference_probes": job["reference_probes"],
+        "reference_probes": job["reference_probes"], **({"alone": True} if job.get("alone") else {}),
         "losses": [None if math.isnan(x) else x for x in losses], "rank": ranks.rank,  # NaN: no loss on this rank
         "peak_memory_bytes": maxed[0], "activation_bytes": maxed[1],
         "flops": summed[0], "comm_bytes_by_kind": dict(zip(kinds, summed[1:])),

@@ -148,11 +148,12 @@ def plan_key_fields(plan) -> dict:
 
 
 def point_key(model_spec: str, plan, dtype: str, steps: int, warmup: int, device: str, nproc: int,
-              round_: int = 1, revision: int = HARNESS_REVISION) -> str:
+              round_: int = 1, revision: int = HARNESS_REVISION, alone: bool = False) -> str:
     """What identifies one plan's measurement in a ledger; rounds after the first have keys of
     their own (the first round's is what ledgers before rounds hold), and so do harness revisions
-    after the first."""
-    fields = [model_spec, plan_key_fields(plan), dtype, steps, warmup, device, nproc] + ([revision] if revision > 1 else [])
+    after the first and a one-device plan run alone on each of `nproc` ranks (validate.steps)."""
+    fields = [model_spec, plan_key_fields(plan), dtype, steps, warmup, device, nproc] + ([revision] if revision > 1 else []) \
+        + (["alone"] if alone else [])
     text = json.dumps(fields, sort_keys=True)
     key = "step:" + hashlib.sha256(text.encode()).hexdigest()[:20]
     return key if round_ == 1 else f"{key}:round{round_}"
@@ -190,10 +191,11 @@ def merge_rounds(measured: list) -> dict:
         return measured[0]
     times = [t for m in measured for t in m["step_times_s"]]
     flags = [f for m in measured for f in speed_flags(m)]
+    ranks = [m.get("rank_step_times_s") for m in measured]
     probes = [p for m in measured for p in m.get("probe_s") or [None] * len(m["step_times_s"])]
     norms = [p for m in measured for p in m.get("norm_probe_s") or [None] * len(m["step_times_s"])]
     return dict(measured[0], step_times_s=times, at_speed=flags, probe_s=probes, norm_probe_s=norms,
-                step_time_s=step_time(times, flags),
+                step_time_s=step_time(times, flags), rank_step_times_s=[r for x in ranks for r in x] if all(ranks) else None,
                 rounds=len(measured), peak_memory_bytes=max(m["peak_memory_bytes"] for m in measured))
 
 
@@ -287,6 +289,8 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
 
     # Saved-tensor hooks do not see inside torch's checkpoint (its own hooks keep what the
     # recomputation rebuilds), so under full recomputation the counted side misses the layers.
+    from perfsim.calibrate.overheads import rank_spread
+
     activations = dict(pair("activation_bytes", "counted"), comparable=plan.recompute != "full")
     speed = machine_speed(measured)
     return {"plan": plan.as_dict(), "label": plan_label(plan),
@@ -296,6 +300,7 @@ def _entry(plan, prediction: dict, measured: dict) -> dict:
             "comm_bytes_predicted_by_dimension": prediction["comm_bytes_by_dimension"],
             "comm_bytes_counted_by_kind": measured["comm_bytes_by_kind"],
             "step_times_s": measured["step_times_s"], "time_breakdown_s": prediction["time_breakdown_s"],
+            "rank_spread": rank_spread(measured),
             "machine_speed": speed, "machine_matches_profile": machine_matches(speed["steps_at_speed"], speed["steps"]),
             "step_time_error_at_measured_speed": error_at_measured_speed(measured, prediction)}
 
@@ -387,14 +392,15 @@ def step_record(key: str, model_spec: str, plan, dtype: str, steps: int, warmup:
 def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int, dtype: str = "bf16",
               steps: int = 3, warmup: int = 1, ledger_path: str | None = None, timeout_s: float = 300.0,
               threads=None, progress=None, rounds: int = 1, speed_tolerance: float = DEFAULT_TOLERANCE,
-              budget_s: float | None = None) -> list:
+              budget_s: float | None = None, alone: bool = False) -> list:
     """Measure (or read back from the ledger) and predict every plan; the `--json` list. With
     `rounds` > 1 the whole list is run that many times, one plan after the other each time, and a
     plan's step time is the median over all its rounds' steps at the profile's speed
     (validate.speed_probe, within `speed_tolerance`): a machine whose speed drifts over minutes
     then weighs on every plan alike. `budget_s`: seconds the measuring may take; each plan retakes
     steps off the profile's speed only within its share (speed_probe.retake_seconds, worked out by the
-    ranks before each plan)."""
+    ranks before each plan). `alone`: one-device plans, each run on every one of the `nproc` ranks
+    at once, a copy per rank (validate.steps; their step time is the slowest rank's)."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
     from perfsim.spec.system import load_system
@@ -405,11 +411,11 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     model = load_model(model_spec)
     system = harness_system(load_system(system_name), dtype, device)
     for plan in plans:
-        problems = plan_problems(plan, model, nproc) + harness_problems(plan)
+        problems = plan_problems(plan, model, 1 if alone else nproc) + harness_problems(plan)
         if problems:
             raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
     ledger_path = ledger_path or f"validation-{device}.jsonl"
-    keys = [[point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r) for plan in plans]
+    keys = [[point_key(model_spec, plan, dtype, steps, warmup, device, nproc, r, alone=alone) for plan in plans]
             for r in range(1, rounds + 1)]
     if _unmeasured(ledger_path, keys):
         from validate.device import check_available
@@ -453,7 +459,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
         for r, i, key in todo:
             probe, norm, reference = probe_expectations(system, dtype, model, plans[i])
             jobs.append({"plan": plans[i], "probe_expected_s": probe, "norm_probe_expected_s": norm,
-                         "reference_probes": reference})
+                         "reference_probes": reference, **({"alone": True} if alone else {})})
 
         def finished(n: int, got: dict) -> None:
             r, i, key = todo[n]
@@ -513,7 +519,11 @@ def format_table(results: list) -> str:
     def pct(pred, real):
         return pct_of(_error(pred, real))
 
-    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}{'speed':>7}{'@speed':>8}  {'peak MB':>8}{'pred':>8}{'err':>8}"
+    def spread(r):
+        x = r.get("rank_spread")
+        return "-" if x is None else f"{100 * x['cv']:.1f}%"
+
+    head = (f"{'plan':<34}{'step s':>8}{'pred':>8}{'err':>8}{'speed':>7}{'@speed':>8}{'ranks':>7}  {'peak MB':>8}{'pred':>8}{'err':>8}"
             f"  {'flops':>7}{'comm':>7}{'saved':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -521,7 +531,7 @@ def format_table(results: list) -> str:
         lines.append(
             f"{r['label']:<34}{st['measured']:>8.3f}{st['predicted']:>8.3f}{pct(st['predicted'], st['measured']):>8}"
             f"{speed['steps_at_speed']:>4}/{speed['steps']:<2}"
-            f"{pct_of(r.get('step_time_error_at_measured_speed')):>8}"
+            f"{pct_of(r.get('step_time_error_at_measured_speed')):>8}{spread(r):>7}"
             f"  {mem['measured'] / 1e6:>8.1f}{mem['predicted'] / 1e6:>8.1f}{pct(mem['predicted'], mem['measured']):>8}"
             f"  {pct(r['flops']['predicted'], r['flops']['counted']):>7}"
             f"{pct(r['comm_bytes']['predicted'], r['comm_bytes']['counted']):>7}"
@@ -538,5 +548,7 @@ def format_table(results: list) -> str:
     lines.append("speed: timed steps whose GEMM and LayerNorm probes ran within the tolerance of the profile's prediction "
                  "(only those make a plan's step time, if any did); @speed: the error with the prediction moved to "
                  "each step's speed by its probes (compute by the GEMM probe, optimizer and overheads by the LayerNorm "
-                 "probe, communication as predicted), the median over every timed step")
+                 "probe, communication as predicted), the median over every timed step; ranks: the spread of the "
+                 "ranks' own step times, their coefficient of variation about each step's mean (perfsim.calibrate."
+                 "overheads.rank_spread: ranks that meet at collectives spread only in what follows the last one)")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 class TensorParallelStep:
     """One optimizer step of validate.gpt's GPT under 1d tensor parallelism (optionally with SP),
-    or unsharded on a single rank."""
+    or unsharded on a single rank (`alone`: on each rank of a larger job, every rank its own copy;
+    validate.steps)."""
 
-    def __init__(self, plan, model, device, dtype):
+    def __init__(self, plan, model, device, dtype, alone: bool = False):
         import torch
         import torch.distributed as dist
 
@@ -22,7 +23,7 @@ class TensorParallelStep:
         if plan.pp != 1 or plan.dp != 1 or plan.tp_mode != "1d":
             raise ValueError("TensorParallelStep runs 1d tensor parallelism only (pp = dp = 1)")
         cfg = GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention)
-        if plan.tp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+        if plan.tp == 1 and not alone and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("a plan on one device needs --nproc 1")
         # Built without storage and sharded first, so a rank never holds the whole model
         # (Megatron builds only its shard); then given memory and initialised in place.

@@ -17,7 +17,7 @@ from perfsim.calibrate.compute import check_attention, fit_flash, fit_gemms
 from perfsim.calibrate.drift import steadied
 from perfsim.calibrate.host_bound import ASYNCHRONOUS_KINDS, device_times
 from perfsim.calibrate.memory import fit_memory
-from perfsim.calibrate.overheads import fit_framework_overheads, fit_tp_overhead, overheads_ledger
+from perfsim.calibrate.overheads import fit_framework_overheads, fit_rank_jitter, fit_tp_overhead, overheads_ledger
 from perfsim.calibrate.overlap import fit_overlap, is_concurrent
 from perfsim.calibrate.profile import calibrated_profile
 from perfsim.calibrate.report import format_report
@@ -113,6 +113,9 @@ def fit(records: list, base, ledger_name: str, device_kind: str | None = None, s
     quality.extend(q), notes.extend(n)
     system = dataclasses.replace(system, device=dataclasses.replace(system.device, measured=device_tables),
                                  collectives=dataclasses.replace(system.collectives, measured=collective_tables))
+    v, n = fit_rank_jitter(list(step_records), steps_name)  # before the overheads: their runs wait for it
+    values.update(v), notes.extend(n)
+    system = with_values(system, v)
     v, q, n = fit_framework_overheads(list(step_records), system, steps_name)
     values.update(v), quality.extend(q), notes.extend(n)
     system = with_values(system, v)

@@ -14,12 +14,18 @@ fitted by non-negative least squares on OVERHEAD_RUNS[:-1]; the last run, (2 lay
 micro-batches), is held out and predicted. T is each run's step time moved to the profile's speed
 by the speed probes of its steps (`at_profile_speed`): a run that met a slow spell would otherwise
 fit the spell into the overheads.
+
+With more than one rank the suite also runs the held-out run's replica alone on every rank at once
+(`alone_case`: each rank its own copy, no collective inside the step), whose ranks' step times
+spread as their speeds do: framework.rank_jitter, fitted first (`fit_rank_jitter`), since every
+synchronised run above waits that much for its slowest rank (docs/equations.md 9.5).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 
 import numpy as np
 
@@ -78,6 +84,82 @@ def overhead_cases(nproc: int, quick: bool = False) -> list:
     for variant in () if quick else VARIANT_RUNS:
         by_layers[layers].append(Plan(dp=nproc, mbs=1, gbs=m * nproc, **variant))
     return [(CALIBRATION_MODEL.format(layers=layers), plans) for layers, plans in by_layers.items()]
+
+
+def rank_spread(measured: dict) -> dict | None:
+    """How the ranks' own step times spread over a plan's timed steps (those at the profile's speed,
+    else all; validate.steps gathers every rank's): `cv`, the coefficient of variation of a rank's
+    time about its step's mean over the ranks, pooled over the steps (the root of the mean of each
+    step's unbiased variance of the ranks' times over their mean: the part the ranks share, a
+    machine-wide slow spell, drops out, as in framework.rank_jitter); `wait`, the mean over the
+    steps of the slowest rank's time over the ranks' mean, less 1 (what a step whose ranks meet only
+    at its end waits for its slowest rank, the quantity docs/equations.md 9.5 prices). A synchronised plan's
+    ranks wait for each other at every collective, so only what follows its last collective (and
+    the barrier's release) spreads; a plan run `alone` on every rank spreads as the ranks' speeds
+    do. None for records from before per-rank times were gathered, and from one rank."""
+    per_step = measured.get("rank_step_times_s")
+    if not per_step or len(per_step[0]) < 2:
+        return None
+    flags = measured.get("at_speed") or [True] * len(per_step)
+    chosen = [ranks for ranks, ok in zip(per_step, flags) if ok] or per_step
+    variances, excess = [], []
+    for ranks in chosen:
+        mean = statistics.fmean(ranks)
+        variances.append(statistics.variance([t / mean for t in ranks]))
+        excess.append(max(ranks) / mean - 1)
+    return {"ranks": len(per_step[0]), "steps": len(chosen), "cv": statistics.fmean(variances) ** 0.5,
+            "wait": statistics.fmean(excess), "alone": bool(measured.get("alone"))}
+
+
+# Timed steps of the run alone: each gives one variance of the ranks' times (n - 1 degrees of
+# freedom), so 6 put the spread within about 30% on two ranks, 10% on eight.
+ALONE_STEPS, QUICK_ALONE_STEPS = 6, 3
+
+
+def alone_case(nproc: int) -> tuple | None:
+    """(model spec, [Plan]) of the run alone on every rank: the held-out run's replica on one device
+    (perfsim.calibrate.overheads module docstring); None on one rank, whose spread is no one's."""
+    from perfsim.spec.plan import Plan
+
+    if nproc < 2:
+        return None
+    layers, m = OVERHEAD_RUNS[-1]
+    return CALIBRATION_MODEL.format(layers=layers), [Plan(mbs=1, gbs=m)]
+
+
+def fit_rank_jitter(step_records: list, ledger: str) -> tuple:
+    """(values, notes): framework.rank_jitter from the runs alone on every rank, the sigma whose priced
+    wait sigma x E[max of n normals] is the wait they measured (rank_spread's `wait`, pooled over their
+    steps; docs/equations.md 9.5); none, with a note saying why, where the ledger has no such run.
+    The note names the ranks' coefficient of variation beside it (above sigma where a few slow steps
+    make the spread's tails heavier than a normal's) and the synchronised runs' spread, which is
+    what follows their last collective: a lower bound."""
+    from perfsim.cost.synchrony import expected_max_normal
+
+    if not step_records:
+        return {}, []
+    alone = [r for r in step_records if r["measured"].get("alone")]
+    spreads = [x for r in alone if (x := rank_spread(r["measured"])) is not None]
+    together = [x for r in step_records if not r["measured"].get("alone") and (x := rank_spread(r["measured"]))]
+    span = sorted({f"{100 * x['cv']:.2g}%" for x in together}, key=lambda t: float(t[:-1]))
+    lower = (f"; the synchronised runs' ranks spread {' to '.join(dict.fromkeys((span[0], span[-1])))} (what "
+             f"follows their last collective: a lower bound)") if together else ""
+    if not spreads:
+        why = ("has no run alone on every rank (the overheads suite runs one with more than one rank; "
+               "ledgers before it have none)") if not alone else "has runs alone on one rank only"
+        return {}, [f"rank jitter: ledger {ledger} {why}; framework.rank_jitter left as in the base profile{lower}"]
+    steps = sum(x["steps"] for x in spreads)
+    ranks = spreads[0]["ranks"]
+    wait = sum(x["steps"] * x["wait"] for x in spreads) / steps
+    cv = (sum(x["steps"] * x["cv"] ** 2 for x in spreads) / steps) ** 0.5
+    sigma = wait / expected_max_normal(ranks)
+    where = (f"the ranks' own step times of {len(spreads)} run(s) of the calibration model alone on each of {ranks} "
+             f"ranks at once ({steps} timed steps, no collective inside a step) in ledger {ledger}: the slowest "
+             f"rank's mean excess over the ranks' mean, {100 * wait:.2g}%, over E[max of {ranks} normals] "
+             f"(perfsim.calibrate.overheads.fit_rank_jitter)")
+    note = (f"rank jitter {100 * sigma:.2g}% from {steps} steps alone on {ranks} ranks: the slowest rank "
+            f"{100 * wait:.2g}% above their mean; their coefficient of variation {100 * cv:.2g}%{lower}")
+    return {"framework.rank_jitter": Fitted(float(sigma), where)}, [note]
 
 
 def _variant(plan) -> bool:
@@ -155,9 +237,11 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     """(values, quality rows, notes): step_overhead_s, microbatch_overhead_s and layer_overhead_s
     from the overhead runs' step records (module docstring), against `system`, the profile
     calibrated from the kernels."""
+    from perfsim.cost.synchrony import expected_max_normal, rank_jitter
     from perfsim.predict import predict
     from scipy.optimize import nnls
 
+    step_records = [r for r in step_records if not r["measured"].get("alone")]  # fit_rank_jitter's
     if not step_records:
         return {}, [], []
     zero = dataclasses.replace(system, framework=dataclasses.replace(
@@ -176,7 +260,9 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     if len(fitted) < 3:
         return {}, [], [f"overheads: {len(fitted)} step runs of the calibration model, 3 needed to fit the step, "
                         f"micro-batch and layer overheads; keys left as in the base profile"]
-    design = lambda xs: np.array([[1.0, m, m * layers] for layers, m, *_ in xs])  # noqa: E731
+    # each run waits for its slowest rank on the overheads too (docs/equations.md 9.5)
+    waits = lambda xs: np.array([[1.0 + rank_jitter(system) * expected_max_normal(x[5][2].devices)] for x in xs])  # noqa: E731
+    design = lambda xs: np.array([[1.0, m, m * layers] for layers, m, *_ in xs]) * waits(xs)  # noqa: E731
     # The host's time is the step less its kernels where the host runs them (a CPU rank); where it
     # queues them for a GPU, the calibration model's kernels, a fraction of its host time by
     # construction, run beside it, and the step is the host's time (cost/host.py).

@@ -329,7 +329,8 @@ def _run_overheads(args, options, nproc: int, system: str) -> None:
     import tempfile
 
     from perfsim.calibrate import fit_ledger
-    from perfsim.calibrate.overheads import overhead_cases, overheads_ledger
+    from perfsim.calibrate.overheads import (ALONE_STEPS, QUICK_ALONE_STEPS, alone_case, overhead_cases,
+                                             overheads_ledger)
     from validate import timing
 
     dtype = next((d for d in options.dtypes if d in timing.DTYPE_BYTES), "bf16")
@@ -343,6 +344,11 @@ def _run_overheads(args, options, nproc: int, system: str) -> None:
         for model, plans in overhead_cases(nproc, options.quick):
             timing.run_plans(plans, model, provisional, args.device, nproc, dtype, steps=2 if options.quick else 3,
                              warmup=1, ledger_path=steps_ledger, threads=args.threads)
+        alone = alone_case(nproc)  # the ranks' spread, each rank its own copy (framework.rank_jitter)
+        if alone is not None:
+            timing.run_plans(alone[1], alone[0], provisional, args.device, nproc, dtype, warmup=1,
+                             steps=QUICK_ALONE_STEPS if options.quick else ALONE_STEPS, ledger_path=steps_ledger,
+                             threads=args.threads, alone=True)
 
 
 def _visible_devices(device: str) -> int:
