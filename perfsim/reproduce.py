@@ -121,8 +121,9 @@ def smng_scaling(system: System | None = None) -> dict:
 
 
 def fit_network_efficiency(system: System | None = None) -> float:
-    """The smng-p2 collectives.network_efficiency that makes predicted weak scaling at 128 nodes
-    equal the paper's 93% (the one number calibrated to the paper; strong scaling is then a check)."""
+    """The smng-p2 collectives.network_efficiency that alone, with no wait for the slowest rank
+    (framework.rank_jitter 0), makes predicted weak scaling at 128 nodes the paper's 93%: the number
+    smng-p2 held as a fit until issue 30 (0.0725), below what its named causes allow."""
     import dataclasses
 
     from scipy.optimize import brentq
@@ -130,6 +131,7 @@ def fit_network_efficiency(system: System | None = None) -> float:
     from perfsim.scaling import scale
 
     system = system or load_system("smng-p2")
+    system = dataclasses.replace(system, framework=dataclasses.replace(system.framework, rank_jitter=None))
     model = load_model("gpt3-175b")
 
     def gap(efficiency: float) -> float:
@@ -139,6 +141,16 @@ def fit_network_efficiency(system: System | None = None) -> float:
         return points[-1].efficiency - SMNG_PUBLISHED_EFFICIENCY["weak"]
 
     return brentq(gap, 0.005, 1.0, xtol=1e-5)
+
+
+def conditioned_rank_jitter(system: System | None = None, samples: int = 512) -> list:
+    """[P10, P50, P90] of smng-p2's framework.rank_jitter conditioned on the SMNG-P2 paper's
+    observations (perfsim.uncertainty.posterior): the profile's value is its median."""
+    from perfsim.uncertainty.posterior import _weighted_percentiles, profile_draws
+
+    _, posterior = profile_draws(system or load_system("smng-p2"), samples)
+    j = posterior.prior.keys.index("framework.rank_jitter")
+    return _weighted_percentiles(posterior.prior.values[:, j], posterior.weights)
 
 
 def smng_scaling_markdown(results: dict) -> str:
@@ -355,7 +367,9 @@ if __name__ == "__main__":
     print(xe_link_sensitivity())
     print("\n## SMNG-P2 scaling protocol\n")
     print(smng_scaling_markdown(smng_scaling()))
-    print(f"network_efficiency fitted to weak scaling: {fit_network_efficiency():.4f}")
+    print("rank_jitter conditioned on the paper (P10 / P50 / P90): "
+          + " / ".join(f"{x:.3f}" for x in conditioned_rank_jitter()))
+    print(f"network_efficiency weak scaling would need without the synchrony term: {fit_network_efficiency():.4f}")
     print("\n## 3D tensor parallelism on 64 V100 (v100-tacc): speed-up of 3d over the other modes\n")
     print(tp3d_markdown())
     print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")

@@ -101,6 +101,7 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     from perfsim.calibrate import SUITES
     from perfsim.calibrate.overheads import OVERHEAD_RUNS, VARIANT_RUNS
     from perfsim.calibrate.priority import builtin_case_priorities
+    from perfsim.spec.plan import Plan
 
     text = emitted.read_text()
     ranked, _ = builtin_case_priorities("smng-p2", SUITES + ("overheads",))
@@ -121,7 +122,9 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     last_suite = max(i for i, line in enumerate(lines) if line.startswith("mpiexec"))
     final_fit = lines.index("perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml")
     assert last_suite < jobs < launch < final_fit
-    assert len(_overhead_runs(text)) == len(OVERHEAD_RUNS) + len(VARIANT_RUNS)  # the variants held out too
+    # the variants held out too, and the held-out run's replica alone on every rank (framework.rank_jitter)
+    assert len(_overhead_runs(text)) == len(OVERHEAD_RUNS) + len(VARIANT_RUNS) + 1
+    assert _overhead_runs(text)[-1][2] == "alone" and Plan(**_overhead_runs(text)[-1][1]).devices == 1
     assert any("--ledger smng-p2-overheads.jsonl" in line for line in lines)
     assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-provisional.toml" in lines
 
@@ -189,20 +192,20 @@ def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tm
     (tmp_path / "bin" / "perfsim").chmod(0o755)
     result, launches = _submit(job, tmp_path, dict(env, FAKE_FAIL_PLAN="layers=2"))
     assert result.returncode == 0, result.stderr
-    # every run of the two-layer model fails its launch (the held-out run, then each variant of it, all
-    # layers=2): each failure ends a launch and the next launch goes on with the runs left
+    # every run of the two-layer model fails its launch (the held-out run, then each variant of it and
+    # the run alone on every rank, all layers=2): each failure ends a launch and the next goes on with the rest
     steps = [line for line in launches if "validate.steps" in line]
-    assert len(steps) == 1 + len(VARIANT_RUNS) and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
+    assert len(steps) == 2 + len(VARIANT_RUNS) and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
     assert "of model layers=2,hidden=256" in result.stderr and "is left out: launch-0 ended (exit status 1)" in result.stderr
     assert "fitting without" in result.stderr
     assert launches[-1].startswith("perfsim calibrate --fit cal.jsonl")  # the fit, after the runs
     records = [json.loads(line) for line in (tmp_path / "cal-overheads.jsonl").read_text().splitlines()]
     runs = _overhead_runs(job.read_text())
-    assert len(records) == 4 and [r["model"] for r in records] == [model for model, _ in runs if "layers=2" not in model]
+    assert len(records) == 4 and [r["model"] for r in records] == [model for model, *_ in runs if "layers=2" not in model]
     for r in records:
         assert r["key"] == timing.point_key(r["model"], Plan(**r["plan"]), "bf16", 3, 1, "xpu", 16)
     result, launches = _submit(job, tmp_path, env)  # again, the failed runs' files still there: nothing launched
-    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 1 + len(VARIANT_RUNS)
+    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 2 + len(VARIANT_RUNS)
 
 
 def test_script_workers_parse_as_perfsim_arguments(emitted):

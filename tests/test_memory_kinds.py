@@ -109,8 +109,9 @@ def test_without_the_table_every_op_is_priced_as_before(name):
     ("dgx-h100", "llama2-7b", Plan(tp=4, tp_mode="2d", dp=2, mbs=2, gbs=16, recompute="selective"),
      1.5149367495504658, 0.9217606334871593),
     # ZeRO-3's step time as since its gathers go module by module (commit 8f6242d: 10.743062621494321
-    # before, +7.4 ms of latency); its compute as before the table
-    ("smng-p2", "gpt3-13b", Plan(tp=2, dp=4, zero=3, mbs=4, gbs=32), 10.750442621494319, 4.13729340202433),
+    # before, +7.4 ms of latency) and since smng-p2's 8 tiles wait for the slowest (rank_jitter 0.11 x
+    # E[max of 8 normals], issue 30: 10.750442621494319 before); its compute as before the table
+    ("smng-p2", "gpt3-13b", Plan(tp=2, dp=4, zero=3, mbs=4, gbs=32), 12.433919296163285, 4.13729340202433),
 ])
 def test_gpu_predictions_are_bit_identical_to_before_the_table(system, model, plan, step, compute):
     """Numbers perfsim printed before per-kind pricing existed (commit 4fe9f31)."""

@@ -2,11 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 
 import perfsim
 from perfsim.cli import main
-from perfsim.reproduce import (SMNG_PUBLISHED_EFFICIENCY, fit_network_efficiency, smng_scaling)
+from perfsim.reproduce import SMNG_PUBLISHED_EFFICIENCY, conditioned_rank_jitter, fit_network_efficiency, smng_scaling
 from perfsim.scaling import scale
 
 
@@ -16,9 +17,11 @@ def results():
 
 
 @pytest.mark.parametrize("kind", ["weak", "strong"])
-def test_smng_efficiency_at_128_nodes_within_4_points(results, kind):
+def test_smng_efficiency_at_128_nodes_within_the_papers_2_points(results, kind):
+    """From named causes (data-parallel traffic, the bubble, the wait for the slowest rank), with no
+    fitted network efficiency: within the observations' tolerance (hwprofiles/observations/smng-p2.toml)."""
     assert results[kind][-1].nodes == 128
-    assert abs(results[kind][-1].efficiency - SMNG_PUBLISHED_EFFICIENCY[kind]) <= 0.04
+    assert abs(results[kind][-1].efficiency - SMNG_PUBLISHED_EFFICIENCY[kind]) <= 0.02
 
 
 @pytest.mark.parametrize("kind", ["weak", "strong"])
@@ -27,17 +30,25 @@ def test_loss_decomposition_adds_up(results, kind):
         assert sum(point.loss_points.values()) == pytest.approx(100 * (1 - point.efficiency), abs=1e-9)
 
 
-def test_strong_scaling_loses_to_the_bubble_and_weak_to_data_parallel_traffic(results):
+def test_strong_scaling_loses_to_the_bubble_and_synchrony_and_weak_to_synchrony(results):
     strong, weak = results["strong"][-1].loss_points, results["weak"][-1].loss_points
-    assert max(strong, key=strong.get) == "pp_bubble"
-    assert max(weak, key=weak.get) == "dp_comm"
+    assert set(sorted(strong, key=strong.get)[-2:]) == {"pp_bubble", "synchrony"}
+    assert max(weak, key=weak.get) == "synchrony" and weak["dp_comm"] > 0.5  # points
 
 
-def test_the_calibrated_profile_value_is_the_fit():
-    """The number marked calibrated in hwprofiles/smng-p2.toml is what the fit gives."""
+def test_no_network_efficiency_is_fitted_and_the_calibrated_jitter_is_the_papers():
+    """smng-p2's network efficiency is its causes' product at their midpoints, not a fit (the fit of
+    before issue 30, 0.0725, is what weak scaling needs without the wait for the slowest rank); its
+    rank_jitter, marked calibrated, is the median of the range conditioned on the paper."""
     profile = perfsim.load_system("smng-p2")
-    assert profile.provenance["collectives.network_efficiency"][0] == "calibrated"
-    assert fit_network_efficiency(profile) == pytest.approx(profile.collectives.network_efficiency, rel=0.02)
+    causes = profile.ranges["collectives.network_efficiency"].causes
+    assert profile.provenance["collectives.network_efficiency"][0] == "derived"
+    assert profile.collectives.network_efficiency == pytest.approx(
+        float(np.prod([(c.lo + c.hi) / 2 for c in causes])), rel=2e-3)
+    assert fit_network_efficiency(profile) == pytest.approx(0.0725, rel=0.02)
+    assert profile.provenance["framework.rank_jitter"][0] == "calibrated"
+    p10, p50, p90 = conditioned_rank_jitter(profile, samples=128)
+    assert p10 < profile.framework.rank_jitter < p90 and profile.framework.rank_jitter == pytest.approx(p50, abs=0.01)
 
 
 def test_175b_stays_near_ten_percent_of_peak(results):

@@ -83,7 +83,7 @@ class OverheadRuns:
     model, each timed with speed probes from a provisional fit of the suites before it, recorded
     in the steps ledger beside the calibration ledger (overheads_ledger)."""
     comment: str
-    runs: tuple  # (model spec, plan as a dict of Plan fields), ...
+    runs: tuple  # (model spec, plan as a dict of Plan fields[, "alone": a one-device plan on every rank]), ...
     provisional_fit_argv: tuple  # `perfsim calibrate --fit LEDGER ... --out PROVISIONAL`
     provisional: str  # the profile that fit writes
     ledger: str  # the steps ledger
@@ -203,7 +203,7 @@ def _overhead_lines(o: OverheadRuns, first: int) -> list:
     out, and the fit goes on with the others."""
     common = ("--dtype", o.dtype, "--steps", str(o.steps), "--warmup", str(o.warmup))
     results = os.path.splitext(o.ledger)[0] + "-results"
-    runs = json.dumps([[model, plan] for model, plan in o.runs], sort_keys=True, separators=(",", ":"))
+    runs = json.dumps([list(run) for run in o.runs], sort_keys=True, separators=(",", ":"))
     return ["", f"# {first + 1}. {o.comment}",
             "# Real training steps of the calibration model, timed with speed probes from a provisional",
             "# fit of the suites above (perfsim/calibrate/overheads.py), all runs in one launch as the",
@@ -327,9 +327,10 @@ def _read_json(path: str):
 
 
 def record_result(measured: dict, plan: dict, model_spec: str, system_name: str, nproc: int, dtype: str, steps: int,
-                  warmup: int, ledger_path: str) -> bool:
+                  warmup: int, ledger_path: str, alone: bool = False) -> bool:
     """Append rank 0's result of one plan, with perfsim's prediction, to the ledger under the key
-    `perfsim validate --device xpu --nproc N` looks up; False if it was there already."""
+    `perfsim validate --device xpu --nproc N` looks up (`alone`: a one-device plan run on every
+    rank, keyed as perfsim calibrate's local run of it); False if it was there already."""
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan
     from perfsim.spec.system import load_system
@@ -337,7 +338,7 @@ def record_result(measured: dict, plan: dict, model_spec: str, system_name: str,
     from validate.ledger import Ledger
 
     plan = Plan(**plan)
-    key = timing.point_key(model_spec, plan, dtype, steps, warmup, "xpu", nproc)
+    key = timing.point_key(model_spec, plan, dtype, steps, warmup, "xpu", nproc, alone=alone)
     system = timing.harness_system(load_system(system_name), dtype, "xpu")
     with Ledger(ledger_path, {"device_kind": "xpu", "world_size": nproc}, check=timing.step_record_problem) as ledger:
         if ledger.done(key):
@@ -348,13 +349,16 @@ def record_result(measured: dict, plan: dict, model_spec: str, system_name: str,
 
 
 def write_jobs(results: str, runs: list, system_name: str, dtype: str) -> list:
-    """Write `results`/jobs.json for the runs [(model spec, plan dict), ...]: each a validate.steps
-    job with its own model and its speed probes priced by the profile (probes()); the jobs."""
+    """Write `results`/jobs.json for the runs [(model spec, plan dict[, "alone"]), ...]: each a
+    validate.steps job with its own model and its speed probes priced by the profile (probes()),
+    "alone" where its one-device plan runs on every rank (validate.steps); the jobs."""
     jobs = []
-    for model_spec, plan in runs:
+    for model_spec, plan, *how in runs:
+        if how not in ([], ["alone"]):
+            raise ValueError(f"a run is [model, plan] or [model, plan, \"alone\"], got {[model_spec, plan, *how]!r}")
         probe, norm, kind = probes(plan, model_spec, system_name, dtype)
         jobs.append({"model": model_spec, "plan": plan, "probe_expected_s": probe, "norm_probe_expected_s": norm,
-                     "reference_probes": kind == "reference"})
+                     "reference_probes": kind == "reference", **({"alone": True} if how else {})})
     with open(os.path.join(results, "jobs.json"), "w") as fh:
         json.dump(jobs, fh)
     return jobs
@@ -387,7 +391,8 @@ def next_launch(results: str, model_spec: str | None, system_name: str, nproc: i
         return job.get("model", model_spec)
 
     def key(job: dict) -> str:
-        return timing.point_key(model_of(job), Plan(**job["plan"]), dtype, steps, warmup, "xpu", nproc)
+        return timing.point_key(model_of(job), Plan(**job["plan"]), dtype, steps, warmup, "xpu", nproc,
+                                alone=job.get("alone", False))
 
     stems = sorted((name[:-len(".jobs.json")] for name in os.listdir(results) if name.startswith("launch-")
                     and name.endswith(".jobs.json")), key=lambda stem: int(stem.split("-")[1]))
@@ -398,7 +403,7 @@ def next_launch(results: str, model_spec: str | None, system_name: str, nproc: i
         for job, measured in zip(jobs, lines):
             if key(job) not in recorded:  # each launch's lines are read at every call
                 record_result(measured, job["plan"], model_of(job), system_name, nproc, dtype, steps, warmup,
-                              ledger_path)
+                              ledger_path, alone=job.get("alone", False))
                 recorded.add(key(job))
         if len(lines) < len(jobs) and os.path.exists(path + ".status"):
             with open(path + ".status") as fh:
@@ -425,7 +430,8 @@ def main(argv=None) -> int:
     j = sub.add_parser("jobs", help="write the results folder's jobs.json for runs of models of their own, their "
                                     "speed probes priced by a profile")
     j.add_argument("results", help="the job's results folder")
-    j.add_argument("--runs", required=True, help="JSON list of [model spec, plan as a JSON object of Plan fields]")
+    j.add_argument("--runs", required=True, help="JSON list of [model spec, plan as a JSON object of Plan fields], "
+                                                 "with \"alone\" third where the one-device plan runs on every rank")
     j.add_argument("--system", required=True)
     j.add_argument("--dtype", required=True)
     n = sub.add_parser("next", help="add what the launches so far wrote to the ledger, then print the path stem of "

@@ -26,7 +26,8 @@ SUITE_NUMBERS = {
                "device.operation_memory_efficiency."),
     "attention": ("device.flash_forward_efficiency", "device.flash_backward_efficiency"),
     "tp_overhead": ("framework.tp_layer_overhead_s", "framework.sp_layer_overhead_s"),
-    "overheads": ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s"),
+    "overheads": ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s",
+                  "framework.rank_jitter"),
 }
 SHOWN_UNMEASURED = 0.05  # a number no suite measures is named in the script from this share up (below: noise)
 

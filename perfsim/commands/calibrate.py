@@ -413,12 +413,14 @@ def _suite_launches(options, system: str) -> tuple:
 
 def _overhead_runs(options, system: str, world: int, comment: str):
     """The overheads suite of the Slurm job (OverheadRuns), after the suites its provisional fit needs."""
-    from perfsim.calibrate.overheads import overhead_cases, overheads_ledger
+    from perfsim.calibrate.overheads import alone_case, overhead_cases, overheads_ledger
     from validate.slurm import OverheadRuns
 
     provisional = os.path.splitext(options.ledger)[0] + "-provisional.toml"
     dtype = next((d for d in options.dtypes if d in DTYPES), "bf16")
     runs = tuple((model, plan.as_dict()) for model, plans in overhead_cases(world, options.quick) for plan in plans)
+    alone = alone_case(world)  # the ranks' spread: the run alone on every rank (framework.rank_jitter)
+    runs += tuple((alone[0], plan.as_dict(), "alone") for plan in alone[1]) if alone else ()
     fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", provisional)
     return OverheadRuns(comment=comment + "; after the suites above, whose fit times its steps", runs=runs,
                         provisional_fit_argv=fit, provisional=provisional, ledger=overheads_ledger(options.ledger),
