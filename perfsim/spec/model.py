@@ -37,11 +37,36 @@ class ModelSpec:
     # The MLP's activation: "gelu" (GPT), "swiglu" (Llama; the same as gated_mlp, which build_model
     # keeps in step with it) or "squared-relu" (Primer, Nemotron: relu(x)^2, priced as gelu is)
     activation: str = "gelu"
+    # Attention width: query heads x head_dim, which need not be hidden (Qwen3, GPT-OSS); 0 = hidden / heads
+    head_dim: int = 0
+    qk_norm: bool = False  # a norm of head_dim on each query and key head (Qwen3, OLMo 2)
+    # "mha" (multi-head, or grouped-query with kv_heads < heads) or "mla" (DeepSeek-V2/V3 latent
+    # attention: queries and keys/values through low-rank latents of q_lora_rank and kv_lora_rank;
+    # each head's query/key is qk_nope_dim + qk_rope_dim wide, its value v_head_dim)
+    attention_type: str = "mha"
+    q_lora_rank: int = 0  # 0 with mla: queries projected directly (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    window: int = 0  # sliding-window attention of `window` tokens (0 = full causal attention) ...
+    window_every: int = 0  # ... on every window_every-th layer (1 or 0: every layer; GPT-OSS: 2)
+    # Mixture of experts (0 experts = a dense model). Each token runs `topk` of `experts` routed
+    # FFNs of expert_ffn columns, plus the always-on shared experts (shared_expert_ffn columns in
+    # all); the first dense_layers layers keep a dense FFN of `ffn` columns.
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    dense_layers: int = 0
+    capacity_factor: float = 0.0  # tokens an expert takes, over its fair share; 0 = dropless
 
     def __post_init__(self):  # a spec built directly with gated_mlp = True is a SwiGLU model
         if self.gated_mlp and self.activation == "gelu":
             object.__setattr__(self, "activation", "swiglu")
         object.__setattr__(self, "gated_mlp", self.activation == "swiglu")
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads if self.heads else 0)
 
     @property
     def ffn_size(self) -> int:
@@ -52,13 +77,27 @@ class ModelSpec:
         return self.kv_heads or self.heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_width(self) -> int:
+        """Width of the queries and of the attention output: heads x head_dim (hidden in GPT, Llama)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_hidden(self) -> int:
         """Width of K (and of V): kv_heads x head_dim."""
         return self.kv_head_count * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose FFN is the routed experts (every layer after the first dense_layers)."""
+        return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def mla(self) -> bool:
+        return self.attention_type == "mla"
 
     def padded_vocab(self, tp: int = 1) -> int:
         """Megatron pads the vocabulary to a multiple of vocab_divisor x tensor-parallel size."""
@@ -74,15 +113,21 @@ class ModelSpec:
         return d
 
 
-_INT_FIELDS = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "vocab_divisor")
+_INT_FIELDS = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "vocab_divisor", "head_dim",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "window", "window_every",
+               "experts", "topk", "expert_ffn", "shared_expert_ffn", "dense_layers")
+_FLOAT_FIELDS = ("capacity_factor",)
+_STR_FIELDS = ("norm", "name", "activation", "attention_type")
 ACTIVATIONS = ("gelu", "swiglu", "squared-relu")
-_BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout")
+ATTENTION_TYPES = ("mha", "mla")
+_MLA_FIELDS = ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+_BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout", "qk_norm")
 _REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 
 
 def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     """Check raw fields (from a preset, an inline spec or a TOML file) and build the spec."""
-    known = sorted(set(_INT_FIELDS) | set(_BOOL_FIELDS) | {"norm", "name", "activation"})
+    known = sorted(set(_INT_FIELDS) | set(_FLOAT_FIELDS) | set(_BOOL_FIELDS) | set(_STR_FIELDS))
     unknown = [key for key in fields if key not in known]
     if unknown:
         raise PerfsimError(f"{where}: unknown model field {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
@@ -99,6 +144,10 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
                 raise PerfsimError(f"{where}: model field {key} must be positive, got {value}")
             if value > LARGEST_SIZE:
                 raise PerfsimError(f"{where}: model field {key} {value} is implausibly large (at most {LARGEST_SIZE})")
+    for key in _FLOAT_FIELDS:
+        value = fields.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LARGEST_SIZE:
+            raise PerfsimError(f"{where}: model field {key} must be a number >= 0 (0: none), got {value!r}")
     for key in _BOOL_FIELDS:
         if key in fields and not isinstance(fields[key], bool):
             raise PerfsimError(f"{where}: model field {key} must be true or false, got {fields[key]!r}")
@@ -107,12 +156,48 @@ def build_model(name: str, fields: dict, where: str) -> ModelSpec:
     if fields.get("norm", "layernorm") not in ("layernorm", "rmsnorm"):
         raise PerfsimError(f"{where}: model field norm must be layernorm or rmsnorm, got {fields['norm']!r}")
     fields = _activation(fields, where)
+    if fields.get("attention_type", "mha") not in ATTENTION_TYPES:
+        raise PerfsimError(f"{where}: model field attention_type must be mha or mla, got {fields['attention_type']!r}")
     spec = ModelSpec(name=str(fields.get("name", name)), **{k: v for k, v in fields.items() if k != "name"})
-    if spec.hidden % spec.heads:
-        raise PerfsimError(f"{where}: hidden ({spec.hidden}) must be a multiple of heads ({spec.heads})")
+    if not fields.get("head_dim") and spec.hidden % spec.heads:
+        raise PerfsimError(f"{where}: hidden ({spec.hidden}) must be a multiple of heads ({spec.heads}), "
+                           "or give head_dim")
     if spec.heads % spec.kv_head_count:
         raise PerfsimError(f"{where}: heads ({spec.heads}) must be a multiple of kv_heads ({spec.kv_head_count})")
+    _check_attention(spec, fields, where)
+    _check_experts(spec, fields, where)
     return spec
+
+
+def _check_attention(spec: ModelSpec, fields: dict, where: str) -> None:
+    """Latent-attention fields go with attention_type = mla only, and mla needs its four widths."""
+    given = [key for key in _MLA_FIELDS + ("q_lora_rank",) if fields.get(key)]
+    if not spec.mla and given:
+        raise PerfsimError(f"{where}: model field {given[0]} is a latent-attention width: give attention_type = mla")
+    missing = [key for key in _MLA_FIELDS if spec.mla and not fields.get(key)]
+    if missing:
+        raise PerfsimError(f"{where}: attention_type = mla needs {', '.join(missing)}")
+    if fields.get("window_every") and not fields.get("window"):
+        raise PerfsimError(f"{where}: window_every needs window (the sliding window's tokens)")
+
+
+def _check_experts(spec: ModelSpec, fields: dict, where: str) -> None:
+    """A mixture of experts needs its top-k and expert width; a dense model takes none of its keys."""
+    keys = ("topk", "expert_ffn", "shared_expert_ffn", "dense_layers", "capacity_factor")
+    if not spec.moe:
+        given = [key for key in keys if fields.get(key)]
+        if given:
+            raise PerfsimError(f"{where}: model field {given[0]} needs experts (the number of routed experts)")
+        return
+    if not spec.topk or not spec.expert_ffn:
+        raise PerfsimError(f"{where}: a mixture of experts needs topk and expert_ffn (experts = {spec.experts})")
+    if spec.topk > spec.experts:
+        raise PerfsimError(f"{where}: topk ({spec.topk}) exceeds experts ({spec.experts})")
+    if spec.dense_layers >= spec.layers:
+        raise PerfsimError(f"{where}: dense_layers ({spec.dense_layers}) leaves no expert layer of {spec.layers}")
+    if spec.capacity_factor and spec.capacity_factor * spec.topk < 1:
+        raise PerfsimError(f"{where}: capacity_factor {spec.capacity_factor} x topk {spec.topk} drops most tokens "
+                           "(at least 1/topk)")
 
 
 def _activation(fields: dict, where: str) -> dict:
@@ -146,8 +231,13 @@ def _parse_inline(text: str) -> dict:
             raise PerfsimError(f"model spec {_quoted(text)}: {key} is given twice")
         if raw.lower() in ("true", "false"):
             fields[key] = raw.lower() == "true"
-        elif key in ("norm", "name", "activation"):
+        elif key in _STR_FIELDS:
             fields[key] = raw
+        elif key in _FLOAT_FIELDS:
+            try:
+                fields[key] = float(raw)
+            except ValueError:
+                raise PerfsimError(f"model spec {_quoted(text)}: {key} must be a number, got {_quoted(raw)}") from None
         else:
             try:
                 fields[key] = int(raw)
