@@ -27,7 +27,7 @@ import numpy as np
 from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate, predict
-from perfsim.spec.model import ModelSpec
+from perfsim.spec.model import LARGEST_SIZE, ModelSpec
 from perfsim.spec.plan import (ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order,
                                edge_chunk_layers)
 from perfsim.spec.system import System
@@ -44,6 +44,17 @@ MOST_SPLIT_COUNTS = 1_000  # layer counts one --fix first_stage_layers / last_st
 # length): below, a rank's attention blocks are too short to hide the ring's transfers and the
 # activations it divides rarely decide whether a plan fits (Megatron-Core and NeMo use it from 8k).
 CONTEXT_PARALLEL_FROM = 8192
+# Each whole-number knob's domain (inclusive); a --fix value outside it is a typo, not a wish. Sizes
+# stop where the model's sizes do (spec.model.LARGEST_SIZE).
+ZERO_STAGES = (0, 3)
+LAYER_COUNT_KNOBS = ("first_stage_layers", "last_stage_layers")
+
+
+def knob_domain(knob: str) -> tuple:
+    """(lowest, highest) whole value a knob may take."""
+    if knob == "zero":
+        return ZERO_STAGES
+    return (0 if knob in LAYER_COUNT_KNOBS else 1), LARGEST_SIZE
 
 
 class WholeNumbers:
@@ -86,6 +97,9 @@ def parse_fixes(items: list[str]) -> dict:
                     raise PerfsimError(f"--fix {item!r}: {knob} takes whole numbers or LOW..HIGH") from None
                 if span.start >= span.stop:
                     raise PerfsimError(f"--fix {item!r}: the range {part} is empty; write LOW..HIGH with LOW <= HIGH")
+                lowest, highest = knob_domain(knob)
+                if span.start < lowest or span.stop - 1 > highest:
+                    raise PerfsimError(f"--fix {item!r}: {knob} takes whole numbers from {lowest} to {highest}")
                 values |= WholeNumbers((span,))
             elif knob in BOOL_KNOBS:
                 if part.lower() not in ("true", "false", "1", "0"):

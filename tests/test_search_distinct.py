@@ -141,17 +141,27 @@ def test_divisors_are_found_in_square_root_time():
 
 def test_huge_fix_ranges_cost_nothing():
     start = time.perf_counter()
-    wide = parse_fixes(["pp=1..1" + "0" * 30])["pp"]
-    assert 1 in wide and 10**30 in wide and 10**30 + 1 not in wide and 0 not in wide
-    fixes = parse_fixes(["pp=1..1" + "0" * 30, "pp=8,16,10" + "0" * 40, "mbs=2.." + "9" * 50])
-    assert 8 in fixes["pp"] and 16 in fixes["pp"] and 17 not in fixes["pp"] and 10**40 not in fixes["pp"]
-    assert 1 not in fixes["mbs"] and 10**49 in fixes["mbs"]
+    top = str(2**40)  # the largest size a knob takes (spec.model.LARGEST_SIZE)
+    wide = parse_fixes(["pp=1.." + top])["pp"]
+    assert 1 in wide and 2**40 in wide and 2**40 + 1 not in wide and 0 not in wide
+    fixes = parse_fixes(["pp=1.." + top, "pp=8,16," + top, "mbs=2.." + top])
+    assert 8 in fixes["pp"] and 16 in fixes["pp"] and 17 not in fixes["pp"] and 2**40 in fixes["pp"]
+    assert 1 not in fixes["mbs"] and 2**39 in fixes["mbs"]
     result = search(perfsim.load_model("gpt3-1.3b"), perfsim.load_system("dgx-a100"), 16, 64, fixes, top=1)
     assert result.plans[0].plan.pp in (8, 16) and time.perf_counter() - start < 30
     with pytest.raises(PerfsimError, match="empty"):
         parse_fixes(["pp=9..3"])
     with pytest.raises(PerfsimError, match="no value"):
-        parse_fixes(["pp=1..4", "pp=5..10" + "0" * 30])
+        parse_fixes(["pp=1..4", "pp=5.." + top])
+
+
+@pytest.mark.parametrize("fix", ["zero=7", "zero=-1", "zero=0..4", "pp=0", "mbs=1..1" + "0" * 30, "tp=0..4",
+                                 "first_stage_layers=-1"])
+def test_fix_values_outside_a_knobs_domain_are_named(fix):
+    """zero=7 once ended in an IndexError; pp=1..10^30 was taken silently."""
+    knob = fix.partition("=")[0]
+    with pytest.raises(PerfsimError, match=f"{knob} takes whole numbers from"):
+        parse_fixes([fix])
 
 
 def test_a_huge_prime_device_count_ends_quickly(capsys):
