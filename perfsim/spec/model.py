@@ -51,6 +51,8 @@ class ModelSpec:
     v_head_dim: int = 0
     window: int = 0  # sliding-window attention of `window` tokens (0 = full causal attention) ...
     window_every: int = 0  # ... on every window_every-th layer (1 or 0: every layer; GPT-OSS: 2)
+    # (layer i, counted from 0, is windowed when i is a multiple of window_every: GPT-OSS's first is)
+    attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
     # Mixture of experts (0 experts = a dense model). Each token runs `topk` of `experts` routed
     # FFNs of expert_ffn columns, plus the always-on shared experts (shared_expert_ffn columns in
     # all); the first dense_layers layers keep a dense FFN of `ffn` columns.
@@ -121,7 +123,7 @@ _STR_FIELDS = ("norm", "name", "activation", "attention_type")
 ACTIVATIONS = ("gelu", "swiglu", "squared-relu")
 ATTENTION_TYPES = ("mha", "mla")
 _MLA_FIELDS = ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
-_BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout", "qk_norm")
+_BOOL_FIELDS = ("gated_mlp", "tied_embeddings", "bias", "learned_positions", "dropout", "qk_norm", "attention_sinks")
 _REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 
 
