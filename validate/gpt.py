@@ -25,6 +25,11 @@ ffn columns, no biases; GPTConfig's architecture fields) builds the same model w
 validate.llama's layers in those places, under the same module and parameter names, so every
 parallelization here and in validate/ shards it alike; a GPT spec builds exactly the layers above.
 
+A spec with experts (perfsim's experts, topk, expert_ffn, shared_expert_ffn, dense_layers) runs
+validate.moe.MoE in place of the MLP of every layer after the first dense_layers, under the
+MLP's name (`mlp`); validate.expert_parallel spreads its experts over ranks. A dense spec builds
+exactly the layers above.
+
 Recompute (torch.utils.checkpoint, non-reentrant): "selective" checkpoints the attention core
 (scores, softmax, context), "full" the whole transformer layer. Early stopping is off: torch
 would otherwise stop the recomputation once every saved tensor is rebuilt, skipping the last
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -107,15 +112,26 @@ class GPTConfig:
     norm: str = "layernorm"  # or "rmsnorm"
     bias: bool = True
     rotary: bool = False  # rotary position embeddings instead of learned positions
+    # A mixture of experts (perfsim's ModelSpec keys; 0 experts: a dense model): every layer after
+    # the first dense_layers runs validate.moe.MoE in place of the MLP (`routing`: its module doc)
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    dense_layers: int = 0
+    routing: str = "balanced"
 
     @classmethod
     def from_spec(cls, model, tp: int = 1, recompute: str = "none", attention: str = "unfused") -> "GPTConfig":
         """From a perfsim ModelSpec: the vocabulary padded as Megatron pads it for `tp` ranks."""
         if not model.learned_positions and model.head_dim % 2:
             raise ValueError(f"rotary embeddings rotate pairs of the head dimension; head_dim {model.head_dim} is odd")
+        if getattr(model, "capacity_factor", 0):
+            raise ValueError("the harness's experts are dropless; leave capacity_factor out")
+        moe = {k: getattr(model, k, 0) for k in ("experts", "topk", "expert_ffn", "shared_expert_ffn", "dense_layers")}
         return cls(model.layers, model.hidden, model.heads, model.seq, model.padded_vocab(tp), recompute, attention,
                    model.ffn_size, model.kv_head_count, model.activation, model.norm, model.bias,
-                   not model.learned_positions)
+                   not model.learned_positions, **moe)
 
     def __post_init__(self):  # 0 is the GPT's: 4 x hidden, as many key/value heads as heads
         object.__setattr__(self, "ffn", self.ffn or 4 * self.hidden)
@@ -240,13 +256,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, index: int = 0):
         super().__init__()
         self.full = cfg.recompute == "full"
         self.ln1 = norm_layer(cfg)
         self.attn = Attention(cfg) if cfg.gpt_attention else GroupedAttention(cfg)
         self.ln2 = norm_layer(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.experts and index >= cfg.dense_layers:  # a mixture-of-experts layer, under the MLP's name
+            from validate.moe import MoE
+
+            self.mlp = MoE(cfg, lambda ffn: MLP(replace(cfg, ffn=ffn)))
+        else:
+            self.mlp = MLP(cfg)
 
     def _forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -271,7 +292,7 @@ class GPT(nn.Module):
             self.register_parameter("pos", None)
         else:
             self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.ln_f = norm_layer(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.mesh = None

@@ -22,7 +22,10 @@ reduce_scatter_tensor_coalesced clones the whole input, all-reduces it and keeps
 gloo each reduce-scatter moves an all-reduce's bytes, 2 (P-1)/P n instead of (P-1)/P n.
 `by_kind` counts the collective the program asked for (what perfsim models for a real backend);
 `gloo_wire_by_kind` counts what gloo's implementation sends (what a CPU timing run pays).
-Point-to-point `send` and `recv_` (dist.isend/irecv, batch_isend_irecv, hence
+An all-to-all (`alltoall_base_`, dist.all_to_all_single: validate.moe's dispatch and combine)
+is recorded as kind "all_to_all" with the elements this rank sends to the other ranks (the split
+it keeps left out), which are its sent bytes. Point-to-point `send` and `recv_`
+(dist.isend/irecv, batch_isend_irecv, hence
 torch.distributed.pipelining) are recorded as kinds "send" and "recv": a send counts its tensor's
 bytes as sent, a receive counts none (`Record.nbytes` still gives what it received).
 """
@@ -39,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 SEND, RECV = "send", "recv"  # point-to-point (pipeline stages): c10d `send` and `recv_`
+ALL_TO_ALL = "all_to_all"  # c10d `alltoall_base_` (all_to_all_single): elements sent to the other ranks
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Record:
         receive sends nothing (its bytes are the sender's)."""
         if self.kind in (SEND, RECV):
             return float(self.nbytes) if self.kind == SEND else 0.0
+        if self.kind == ALL_TO_ALL:  # elements: what this rank sends to the others, its own rows left out
+            return float(self.nbytes)
         share = (self.group_size - 1) / self.group_size
         return (2 if self.kind == ALL_REDUCE else 1) * share * self.nbytes
 
@@ -132,9 +138,22 @@ class CollectiveCounter(TorchDispatchMode):
                 self._add(kind, _tensors(args[0]), _group_object_size(args[1]), 1)
             elif name in ("send", "recv_"):  # point-to-point: group size 2 (the two ends)
                 self._add(SEND if name == "send" else RECV, _tensors(args[0]), 2, 1)
+            elif name == "alltoall_base_":  # (output, input, group, output_splits, input_splits)
+                self._add_all_to_all(args[1], _group_object_size(args[2]), args[2], args[4])
             elif name == "_reduce_scatter_base_":
                 self._add(REDUCE_SCATTER, [args[1]], _group_object_size(args[2]), 1)  # args[1]: the full input
         return func(*args, **kwargs)
+
+    def _add_all_to_all(self, tensor, group_size, group, input_splits):
+        """An all-to-all: the rows of `tensor` this rank sends to the other ranks of its group (its
+        own split stays; equal splits when none are given)."""
+        from torch.distributed import ProcessGroup
+
+        rows = tensor.shape[0] if tensor.dim() else 1
+        splits = list(input_splits) or [rows // group_size] * group_size
+        me = (ProcessGroup.unbox(group) if not isinstance(group, ProcessGroup) else group).rank()
+        per_row = tensor.numel() // rows if rows else 0
+        self.records.append(Record(ALL_TO_ALL, (rows - splits[me]) * per_row, tensor.element_size(), group_size))
 
     def gloo_wire_by_kind(self) -> dict:
         """Sent bytes per member by kind as gloo implements them (reduce-scatter as all-reduce)."""

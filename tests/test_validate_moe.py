@@ -1,0 +1,124 @@
+"""The harness's mixture-of-experts layer and expert-parallel steps (validate/moe.py): the layer
+against the textbook formula in one process, and real steps of 2 and 4 gloo ranks
+(validate/moe_check.py) against a single-process run of the same model and against the counts
+written out from the shapes (FLOPs, bytes each rank sends in the all-to-alls, gradient
+all-reduces, what one MoE layer keeps for backward); a wrong all-to-all backward is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+from conftest import run_rank_check  # noqa: E402
+from perfsim.spec.model import load_model  # noqa: E402
+from validate import llama  # noqa: E402
+from validate.gpt import GPT, GPTConfig  # noqa: E402
+from validate.moe import balanced_counts, moe_layers  # noqa: E402
+from validate.moe_check import CASES, MODEL  # noqa: E402
+
+# fp32 sums reordered by the reductions and the experts' row order: measured <= 4e-9 on
+# gradients ~0.04, and 2.4e-7 on losses ~5.7
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-7
+
+
+def textbook(layer, x, routing):
+    """sum over a token's k experts of softmax(chosen logits) x expert(token), plus the shared
+    expert, token by token."""
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = layer.router(tokens)
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        if routing == "balanced":
+            chosen = [(t * layer.topk + j) % layer.experts_total for j in range(layer.topk)]
+        else:
+            chosen = logits[t].topk(layer.topk).indices.tolist()
+        weights = torch.softmax(logits[t, chosen], -1)
+        for w, e in zip(weights, chosen):
+            expert = layer.experts[e]
+            out[t] += w * expert.fc2(llama.swiglu(expert.fc1(tokens[t])))
+    if layer.shared is not None:
+        out = out + layer.shared(tokens)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "topk"])
+def test_one_process_layer_is_the_textbook_mixture(routing):
+    torch.manual_seed(0)
+    gpt = GPT(dataclasses.replace(GPTConfig.from_spec(load_model(MODEL)), routing=routing))
+    layer = moe_layers(gpt)[0]
+    assert not hasattr(gpt.blocks[0].mlp, "router")  # dense_layers = 1: the first layer keeps its MLP
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    ours, theirs = layer(x), textbook(layer, x, routing)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    dy = torch.randn_like(ours)
+    wanted = (x, layer.router.weight, layer.experts[3].fc1.weight, layer.shared.fc2.weight)
+    for a, b in zip(torch.autograd.grad(ours, wanted, dy), torch.autograd.grad(theirs, wanted, dy)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_balanced_routing_gives_every_expert_its_share():
+    assert balanced_counts(32, 2, 8) == [8] * 8
+    assert balanced_counts(5, 2, 4) == [3, 3, 2, 2]  # 10 copies over 4 experts: the first ones take the rest
+    assert sum(balanced_counts(7, 3, 5)) == 21
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    data = run_rank_check(tmp_path_factory, "validate.moe_check", request.param)
+    assert [c["case"] for c in data["cases"]] == CASES[request.param]
+    return data
+
+
+def each_rank(results):
+    for case in results["cases"]:
+        for rank in case["ranks"]:
+            yield case, rank
+
+
+@pytest.mark.multiprocess
+def test_loss_and_gradients_equal_single_process(results):
+    for case, rank in each_rank(results):
+        name = case["case"]
+        assert rank["loss"] == pytest.approx(rank["reference_loss"], rel=LOSS_RTOL), name
+        assert rank["grad_max_abs_error"] <= GRAD_ATOL and rank["grad_max_abs"] > 1e-2, name
+
+
+@pytest.mark.multiprocess
+def test_flops_bytes_and_saved_activations_equal_the_count(results):
+    """Balanced routing: FLOPs, the all-to-all bytes each rank sends, the gradient all-reduces and
+    one MoE layer's saved bytes exactly as counted from the shapes, on every rank."""
+    for case, rank in each_rank(results):
+        name, hand, sent = case["case"], rank["hand"], rank["sent_bytes_by_kind"]
+        if case["routing"] != "balanced":
+            continue
+        assert rank["flops"] == hand["flops"], name
+        assert sent.get("all_to_all", 0) == hand["all_to_all_bytes"], name
+        assert sent["all_reduce"] == pytest.approx(hand["all_reduce_bytes"], rel=1e-12), name
+        assert rank["moe_layer_saved_bytes"] == hand["moe_layer_saved_bytes"], name
+        if case["plan"]["ep"] > 1 and case["plan"]["moe_dispatcher"] == "alltoall":
+            assert sent["all_to_all"] > 0 and "all_gather" not in sent, name
+
+
+@pytest.mark.multiprocess
+def test_top_k_routing_runs_uneven_splits(results):
+    """Top-k routing: the ranks' experts get different numbers of rows (their FLOPs differ; at 2
+    ranks each sends in all what the other sends, its dispatch being the other's combine), and
+    the gradients still equal the single-process run's (test_loss_and_gradients_equal_single_process)."""
+    for case in results["cases"]:
+        if case["routing"] == "topk":
+            assert len({r["flops"] for r in case["ranks"]}) > 1, case["case"]
+            assert len({r["sent_bytes_by_kind"]["all_to_all"] for r in case["ranks"]}) == (1 if len(case["ranks"]) == 2 else 4)
+
+
+@pytest.mark.multiprocess
+def test_a_wrong_all_to_all_backward_is_caught(tmp_path_factory):
+    """The all-to-all's backward handing the gradient back unsent (shapes fit under balanced
+    routing): the loss is unchanged, the gradients are not."""
+    data = run_rank_check(tmp_path_factory, "validate.moe_check", 2, "--cases", "ep2-dp2", "--broken-backward")
+    for rank in data["cases"][0]["ranks"]:
+        assert rank["loss"] == pytest.approx(rank["reference_loss"], rel=LOSS_RTOL)
+        assert rank["grad_max_abs_error"] > 1e-4

@@ -1,0 +1,143 @@
+"""The training step of plans with experts (validate.moe's layers): data parallelism of the
+attention and the other dense parameters over every rank, the routed experts over EP x expert-DP
+as Megatron-Core folds them (tp = etp = cp = pp = 1 here)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from validate.moe import is_expert_parameter, moe_layers
+
+
+def plan_ep(plan) -> int:
+    return getattr(plan, "ep", 1) or 1
+
+
+def expert_groups(ep: int):
+    """(this rank's EP group, its expert-DP group) of the world's ranks: the experts laid out
+    tp-ep-dp as Megatron-Core's expert ranks (tp = etp = 1 here): EP groups of consecutive ranks,
+    an expert-DP group of the ranks at one place in their EP groups. Every rank makes every group,
+    in one order (torch.distributed.new_group's rule)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = {}
+    for start in range(0, world, ep):
+        g = dist.new_group(list(range(start, start + ep)))
+        if start <= rank < start + ep:
+            mine["ep"] = g
+    for place in range(ep):
+        g = dist.new_group(list(range(place, world, ep)))
+        if rank % ep == place:
+            mine["edp"] = g
+    return mine["ep"], mine["edp"]
+
+
+def step_problems(plan, model) -> list:
+    """What of a plan with experts (or ep > 1) ExpertParallelStep does not run."""
+    problems = []
+    ep = plan_ep(plan)
+    if plan.tp > 1 or plan.pp > 1 or getattr(plan, "cp", 1) > 1 or plan.sp:
+        problems.append("the harness runs experts with data parallelism alone (tp = pp = cp = 1, no SP)")
+    if plan.zero:
+        problems.append("the harness's expert-parallel step reduces whole gradients (zero = 0)")
+    if (getattr(plan, "etp", 1) or 1) > 1:
+        problems.append("the harness's experts are not tensor-parallel (etp = 1)")
+    if plan.dp % ep:
+        problems.append(f"ep ({ep}) must divide the data-parallel ranks ({plan.dp})")
+    if model is not None and ep > 1 and (not getattr(model, "experts", 0) or model.experts % ep):
+        problems.append(f"ep ({ep}) must divide the model's experts ({getattr(model, 'experts', 0)})")
+    return problems
+
+
+class ExpertParallelStep:
+    """One optimizer step of a GPT with experts over `plan.dp` ranks: each rank its own rows
+    (micro-batch rows r x rows ... of the global batch), the attention and the other dense
+    parameters replicated (data parallel), the routed experts over EP x expert-DP (`expert_groups`).
+
+    Gradients live in one flat buffer per reduction group (dense: every rank; experts: the
+    expert-DP group), as Megatron-Core's gradient buffers, scaled by 1 / dp and all-reduced after
+    the last micro-batch (Megatron-Core's DDP without overlap: the dense gradients' mean over the
+    data-parallel ranks, the experts' sum over their expert-DP ranks over dp, since each expert
+    saw tokens of all its EP group's ranks)."""
+
+    def __init__(self, plan, model, device, dtype, reference=None):
+        import torch.distributed as dist
+
+        from validate.gpt import GPT, GPTConfig
+        from validate.optim import MasterAdam
+        from validate.training import synthetic_batches
+
+        problems = step_problems(plan, model)
+        if problems:
+            raise ValueError("; ".join(problems))
+        if dist.get_world_size() != plan.dp:
+            raise ValueError(f"the plan runs on {plan.dp} ranks, the job has {dist.get_world_size()}")
+        self.ep = plan_ep(plan)
+        self.dp = plan.dp
+        if reference is None:
+            torch.manual_seed(0)
+            reference = GPT(GPTConfig.from_spec(model, 1, plan.recompute, plan.attention))
+        net = copy.deepcopy(reference)
+        self.ep_group, self.edp_group = expert_groups(self.ep)
+        if self.ep > 1:
+            for layer in moe_layers(net):
+                layer.shard(self.ep_group, getattr(plan, "moe_dispatcher", "alltoall") or "alltoall")
+        self.module = net.to(device=device, dtype=dtype)
+        self._buffers = self._gradient_buffers()
+        self.optimizer = MasterAdam(self.module.parameters())
+        self.optimizer.init_states()
+        rows = plan.microbatches * plan.mbs
+        tokens, targets = synthetic_batches(plan.dp * rows, model.seq, model.vocab)
+        mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+        self.batches = list(zip(tokens[mine].to(device).split(plan.mbs), targets[mine].to(device).split(plan.mbs)))
+
+    def _gradient_buffers(self) -> list:
+        """[(flat buffer, group or None)]: the dense gradients' and the experts', each parameter's
+        .grad a view into its buffer (backward accumulates in place)."""
+        import torch.distributed as dist
+
+        dense = [p for n, p in self.module.named_parameters() if not is_expert_parameter(n)]
+        experts = [p for n, p in self.module.named_parameters() if is_expert_parameter(n)]
+        out = []
+        for params, group, size in ((dense, dist.group.WORLD, self.dp), (experts, self.edp_group, self.dp // self.ep)):
+            if not params:
+                continue
+            flat = params[0].new_zeros(sum(p.numel() for p in params))
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            out.append((flat, group if size > 1 else None))
+        return out
+
+    def forward_backward(self) -> float:
+        total = 0.0
+        for tokens, targets in self.batches:
+            loss = self.module.loss(tokens, targets) / len(self.batches)
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def finish_gradients(self) -> None:
+        import torch.distributed as dist
+
+        for flat, group in self._buffers:
+            flat.mul_(1.0 / self.dp)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+
+    def run(self) -> float:
+        loss = self.forward_backward()
+        self.finish_gradients()
+        self.optimizer.step()
+        for flat, _ in self._buffers:
+            flat.zero_()
+        return loss
+
+
+def build_step(plan, model, device, dtype) -> ExpertParallelStep:
+    """The expert-parallel (or data-parallel MoE) training step of `plan` on this rank (validate.steps)."""
+    return ExpertParallelStep(plan, model, device, dtype)

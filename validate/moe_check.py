@@ -1,0 +1,233 @@
+"""Correctness and exactness of real expert-parallel training steps (validate.moe), per rank.
+
+Run as ranks (`python -m validate.moe_check OUT.json --cases all`, launched by
+validate.launcher.launch_ranks; gloo, fp32). For every case (EP over `ep` of `dp` data-parallel
+ranks, a dispatcher and a routing) each rank builds the same seeded GPT with experts, trains a
+single-process reference (every expert, ep = 1) on the whole global batch, each data-parallel
+rank's micro-batches in turn, and runs the same step with validate.moe.ExpertParallelStep,
+recording:
+
+- loss and gradients (after the reductions, before the optimizer step) against the reference:
+  the dense ones whole, this rank's experts against the reference's experts of the same global
+  index;
+- matrix FLOPs it ran (LocalFlopCounter) and bytes it sent per collective kind (CollectiveCounter:
+  the all-to-alls, the gradient all-reduces) against `hand_count`, the harness's own count written
+  out from the shapes (module doc of validate.moe), and against perfsim's where perfsim prices
+  experts (perfsim.cost.experts);
+- the bytes one MoE layer keeps for backward (SavedBytes around that layer's forward alone) against
+  the hand count.
+
+Rank 0 writes one JSON object: {"world": P, "cases": [{case..., "ranks": [per-rank dicts]}]}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from perfsim.spec.model import load_model
+
+MODEL = ("layers=3,hidden=32,heads=4,kv_heads=2,ffn=64,activation=swiglu,norm=rmsnorm,bias=false,"
+         "learned_positions=false,tied_embeddings=false,dropout=false,seq=16,vocab=256,"
+         "experts=8,topk=2,expert_ffn=16,shared_expert_ffn=32,dense_layers=1")
+MBS, MICROBATCHES = 2, 2
+
+CASES = {
+    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2"],
+    4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk", "ep4-dp4-allgather"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CasePlan:
+    """The plan fields an expert-parallel step reads (perfsim's Plan where it has `ep`)."""
+    dp: int
+    ep: int
+    moe_dispatcher: str = "alltoall"
+    mbs: int = MBS
+    gbs: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    etp: int = 1
+    sp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    attention: str = "unfused"
+
+    @property
+    def microbatches(self) -> int:
+        return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def devices(self) -> int:
+        return self.dp
+
+
+def case_plan(name: str):
+    """"ep2-dp4", "ep2-dp2-allgather", "ep4-dp4-topk" (routing is the case's, not the plan's)."""
+    fields = {"moe_dispatcher": "allgather" if name.endswith("allgather") else "alltoall"}
+    for part in name.split("-"):
+        if part[:2] in ("ep", "dp"):
+            fields[part[:2]] = int(part[2:])
+    fields["gbs"] = MBS * MICROBATCHES * fields["dp"]
+    from perfsim.spec.plan import Plan
+
+    if "ep" in Plan.__dataclass_fields__:
+        return Plan(**{k: v for k, v in fields.items()}, mbs=MBS)
+    return CasePlan(**fields)
+
+
+def case_routing(name: str) -> str:
+    return "topk" if name.endswith("topk") else "balanced"
+
+
+def gemm_forward_flops(model, tokens: int, received: int, local_experts: int, moe: bool) -> int:
+    """Forward matrix FLOPs of one layer on `tokens` tokens (tp = 1, the unfused core: baddbmm and
+    bmm over the full s x s square), its experts on `received` token copies."""
+    h, a, s = model.hidden, model.heads, model.seq
+    d = h // a
+    kv = model.kv_head_count * d
+    f = 2 * tokens * h * (h + 2 * kv) + 2 * tokens * h * h  # QKV, projection
+    f += 2 * 2 * (tokens // s) * a * s * s * d  # QK^T and AV
+    glu = 2 if model.activation == "swiglu" else 1
+    if not moe:
+        return f + 2 * tokens * h * glu * model.ffn_size + 2 * tokens * model.ffn_size * h
+    f += 2 * tokens * h * model.experts  # router
+    f += 2 * received * h * glu * model.expert_ffn + 2 * received * model.expert_ffn * h
+    if model.shared_expert_ffn:
+        f += 2 * tokens * h * glu * model.shared_expert_ffn + 2 * tokens * model.shared_expert_ffn * h
+    return f
+
+
+def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params: int) -> dict:
+    """What one rank of a balanced step does, from the shapes alone (validate.moe's module doc):
+    FLOPs (backward twice forward: every GEMM's input and weight gradients), bytes sent in the
+    all-to-alls (dispatch of tokens and probabilities, combine; the same again backward), the
+    gradient all-reduces (dense over dp, experts over dp / ep), and what one MoE layer keeps."""
+    ep, t, k = plan.ep, plan.mbs * model.seq, model.topk
+    received = t * k  # balanced: every rank gets T k / ep copies from each of ep ranks
+    moe_layers = model.layers - model.dense_layers
+    layer_fwd = (model.dense_layers * gemm_forward_flops(model, t, received, model.experts // ep, False)
+                 + moe_layers * gemm_forward_flops(model, t, received, model.experts // ep, True)
+                 + 2 * t * model.hidden * model.vocab)  # the head (vocab unpadded at tp 1 and 128-multiple sizes)
+    flops = 3 * layer_fwd * plan.microbatches
+    sent = t * k * (ep - 1) // ep  # token copies a rank sends to the others in one all-to-all
+    h = model.hidden
+    bytes_a2a = 0 if ep == 1 or plan.moe_dispatcher != "alltoall" else \
+        2 * (2 * sent * h + sent) * element_bytes * moe_layers * plan.microbatches
+    edp = plan.dp // ep
+    reduce = (2 * (plan.dp - 1) / plan.dp * dense_params + 2 * (edp - 1) / edp * expert_params) * element_bytes
+    glu = 2 if model.activation == "swiglu" else 1
+    f, fs = model.expert_ffn, model.shared_expert_ffn
+    saved = (t * h + t * k  # router input (the layer's input), the top-k softmax (fp32 here as the run)
+             + received * (h + glu * f + 1 + f)  # FC1 input, SwiGLU input, probability, FC2 input
+             + (t * (glu * fs + fs) if fs else 0)) * element_bytes  # the shared expert (its FC1 input is the router's)
+    return {"flops": flops, "all_to_all_bytes": bytes_a2a, "all_reduce_bytes": reduce, "moe_layer_saved_bytes": saved}
+
+
+def perfsim_count(model, plan) -> dict | None:
+    """perfsim's per-layer figures for the plan where perfsim prices experts, else None."""
+    try:
+        from perfsim.cost import experts  # noqa: F401
+    except ImportError:
+        return None
+    return None
+
+
+def run_case(torch, dist, model_spec: str, name: str) -> dict:
+    from validate.gpt import GPT, GPTConfig
+    from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
+    from validate.expert_parallel import ExpertParallelStep
+    from validate.moe import is_expert_parameter, moe_layers
+    from validate.training import synthetic_batches
+
+    model = load_model(model_spec)
+    plan = case_plan(name)
+    rank = dist.get_rank()
+    cfg = dataclasses.replace(GPTConfig.from_spec(model), routing=case_routing(name))
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    step = ExpertParallelStep(plan, model, torch.device("cpu"), torch.float32, reference=reference)
+
+    # the reference: every data-parallel rank's micro-batches in turn, each loss over m dp
+    rows = plan.microbatches * plan.mbs
+    tokens, targets = synthetic_batches(plan.dp * rows, model.seq, model.vocab)
+    ref_loss = 0.0
+    for x, y in zip(tokens.split(plan.mbs), targets.split(plan.mbs)):
+        loss = reference.loss(x, y) / (plan.microbatches * plan.dp)
+        loss.backward()
+        ref_loss += float(loss.detach())
+
+    flops, comms = LocalFlopCounter(), CollectiveCounter()
+    with flops, comms:
+        loss = step.forward_backward()
+        step.finish_gradients()
+    every_loss = torch.tensor([loss])
+    dist.all_reduce(every_loss)
+    ref_grads = dict(reference.named_parameters())
+    ep_rank, local = rank % step.ep, model.experts // step.ep
+    worst, largest = 0.0, 0.0
+    for n, p in step.module.named_parameters():
+        ref_name = n
+        if is_expert_parameter(n):
+            parts = n.split(".")
+            i = parts.index("experts") + 1
+            parts[i] = str(ep_rank * local + int(parts[i]))
+            ref_name = ".".join(parts)
+        ref = ref_grads[ref_name].grad
+        worst = max(worst, float((p.grad - ref).abs().max()))
+        largest = max(largest, float(ref.abs().max()))
+
+    # what one MoE layer keeps for backward, its forward alone on this rank's first micro-batch
+    layer = moe_layers(step.module)[0]
+    leaf = torch.randn(plan.mbs, model.seq, model.hidden, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    x = leaf * 1.0  # an activation, as the norm's output (SavedBytes skips leaves as parameters)
+    kept = SavedBytes(step.module.parameters())
+    with kept.hooks():
+        out = layer(x)
+    out.sum().backward()
+
+    dense = sum(p.numel() for n, p in step.module.named_parameters() if not is_expert_parameter(n))
+    expert = sum(p.numel() for n, p in step.module.named_parameters() if is_expert_parameter(n))
+    sent = comms.by_kind()
+    return {"rank": rank, "loss": float(every_loss) / plan.dp, "reference_loss": ref_loss,
+            "grad_max_abs_error": worst, "grad_max_abs": largest,
+            "flops": flops.total(), "sent_bytes_by_kind": sent,
+            "moe_layer_saved_bytes": kept.peak,
+            "hand": hand_count(model, plan, 4, dense, expert) if case_routing(name) == "balanced" else None,
+            "perfsim": perfsim_count(model, plan)}
+
+
+def main(argv=None) -> int:
+    from validate.ranks import check_parser, every_rank, gloo_ranks, write_on_rank0
+
+    parser = check_parser("python -m validate.moe_check", MODEL, "comma list of case names (CASES), or all")
+    parser.add_argument("--broken-backward", dest="broken_backward", action="store_true",
+                        help="test hook: the all-to-all's backward hands the gradient back unsent (a wrong backward "
+                             "the gradient checks must catch)")
+    args = parser.parse_args(argv)
+    if args.broken_backward:
+        from validate import moe
+
+        moe._AllToAll.backward = staticmethod(lambda ctx, grad: (grad, None, None, None))
+
+    import torch
+    import torch.distributed as dist
+
+    with gloo_ranks(args.timeout) as ranks:
+        names = CASES.get(ranks.world, []) if args.cases == "all" else args.cases.split(",")
+        results = []
+        for name in names:
+            plan = case_plan(name)
+            if plan.devices != ranks.world:
+                raise ValueError(f"case {name} needs {plan.devices} ranks, not {ranks.world}")
+            results.append({"case": name, "plan": dataclasses.asdict(plan), "routing": case_routing(name),
+                            "ranks": every_rank(run_case(torch, dist, args.model, name))})
+        write_on_rank0(ranks, args.out, model=args.model, cases=results)
+    return 0
+
+
+if __name__ == "__main__":
+    from validate.ranks import leave
+
+    leave(main())
