@@ -31,8 +31,10 @@ def fused_dropout_work(device, peak_flops: float, model, gemms: list, flash) -> 
     forward_ratio, backward_ratio = device.flash_dropout_forward_ratio, device.flash_dropout_backward_ratio
     if (forward_ratio is None and backward_ratio is None) or not model.dropout or not np.any(flash):
         return Work()
-    scores = next(g for g in gemms if g.name == ATTENTION_CORE[0])
-    forward, backward, _, _ = flash_attention_times(device, peak_flops, scores)
+    forward = backward = 0.0
+    for scores in (g for g in gemms if g.name == ATTENTION_CORE[0]):  # one, or one per kind of attention
+        times = flash_attention_times(device, peak_flops, scores)
+        forward, backward = forward + times[0], backward + times[1]
     extra_forward = flash * forward * (1.0 / (1.0 if forward_ratio is None else forward_ratio) - 1.0)
     extra_backward = flash * backward * (1.0 / (1.0 if backward_ratio is None else backward_ratio) - 1.0)
     return Work(time_s=extra_forward, core_time_s=extra_forward, backward_s=extra_backward,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfsim.cost.counts import head_widths
 from perfsim.cost.layer import BF16
 from perfsim.cost.overlap import ring_exposure
 from perfsim.spec.model import ModelSpec
@@ -25,7 +26,11 @@ from perfsim.spec.model import ModelSpec
 
 def kv_block_bytes(model: ModelSpec, mbs, cp, tp, element=BF16):
     """Bytes of one key/value block a rank passes on: keys and values of its s/cp tokens of each
-    of the mbs sequences, for the tp-th share of the key/value heads, `element` bytes each."""
+    of the mbs sequences, for the tp-th share of the key/value heads, `element` bytes each (latent
+    attention: every head's key, qk_nope_dim + qk_rope_dim wide, and value, v_head_dim)."""
+    if model.mla:
+        qk, v = head_widths(model)
+        return element * mbs * model.seq / cp * model.heads * (qk + v) / tp
     return 2 * element * mbs * model.seq / cp * model.kv_hidden / tp
 
 

@@ -148,6 +148,30 @@ def attention_keys(model: ModelSpec, windowed: bool = False) -> int:
     return min(model.seq, model.window) if windowed and model.window else model.seq
 
 
+def attention_key_mix(model: ModelSpec) -> list[tuple]:
+    """(share of the layers, keys a query) of the model's attention: [(1, s)] without a window;
+    full and sliding-window layers by their shares with one (a layer's cost priced as the mean)."""
+    windowed = windowed_layers(model)
+    if not windowed:
+        return [(1, model.seq)]
+    mix = [((model.layers - windowed) / model.layers, model.seq), (windowed / model.layers, attention_keys(model, True))]
+    return [(share, keys) for share, keys in mix if share]
+
+
+def mean_attention_keys(model: ModelSpec):
+    """Keys a query attends to, averaged over the layers: s without a window."""
+    mix = attention_key_mix(model)
+    return model.seq if len(mix) == 1 and mix[0][0] == 1 else sum(share * keys for share, keys in mix)
+
+
+def head_widths(model: ModelSpec) -> tuple:
+    """(query/key width, value width) of one attention head: (d, d), or MLA's
+    (qk_nope_dim + qk_rope_dim, v_head_dim)."""
+    if model.mla:
+        return model.qk_nope_dim + model.qk_rope_dim, model.v_head_dim
+    return model.head_dim, model.head_dim
+
+
 def total_params(model: ModelSpec, tp: int = 1) -> int:
     """All parameters, counted once (a tied output layer shares the word embedding)."""
     vocab = model.padded_vocab(tp)

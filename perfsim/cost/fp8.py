@@ -20,10 +20,11 @@ import numpy as np
 
 from perfsim.cost import counts
 from perfsim.cost.layer import FP8, FP8_CAST_BYTES, FP32
-from perfsim.cost.tensor_parallel import weight_shard
+from perfsim.cost.tensor_parallel import layer_linears, weight_shard
 
 FP8_COPIES = 2  # the FP8 weight and its transpose
-GEMMS_PER_LAYER = 4  # Transformer Engine modules: QKV (LayerNormLinear), projection, FC1 (LayerNormMLP's two)
+# a layer's GEMMs (tensor_parallel.layer_linears): Transformer Engine's QKV (LayerNormLinear), projection,
+# FC1 and FC2 (LayerNormMLP's two); latent attention's down and up projections in place of QKV
 SCALED_TENSORS = 5  # per GEMM: input, weight, output forward; output and input gradient backward
 AMAX_HISTORY = 1024  # Transformer Engine's DelayedScaling default amax_history_len
 SCALING_BYTES_PER_GEMM = SCALED_TENSORS * (2 + AMAX_HISTORY) * FP32  # scale, inverse scale, history
@@ -44,7 +45,7 @@ def weight_copy_bytes(model, c, layers, param_gather=None):
     layers' linear weights cost their FP8 data and transpose, `c.element` bytes less each."""
     held = stage_linear_weights(model, c, layers)
     copies = FP8_COPIES * FP8 * held - (param_gather or 0) * c.element * held
-    return c.fp8 * (copies + layers * GEMMS_PER_LAYER * SCALING_BYTES_PER_GEMM)
+    return c.fp8 * (copies + layers * len(layer_linears(model)) * SCALING_BYTES_PER_GEMM)
 
 
 def weight_cast_time(model, system, c, layers):
@@ -54,5 +55,5 @@ def weight_cast_time(model, system, c, layers):
     dev = system.device
     elements = stage_linear_weights(model, c, layers)
     seconds = FP8_CAST_BYTES * elements / (dev.memory_bandwidth_Bps * dev.memory_efficiency)
-    return c.fp8 * (seconds + layers * GEMMS_PER_LAYER * dev.kernel_overhead_s)
+    return c.fp8 * (seconds + layers * len(layer_linears(model)) * dev.kernel_overhead_s)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from perfsim.cost import measured
-from perfsim.cost.counts import ATTENTION_CORE
+from perfsim.cost.counts import ATTENTION_CORE, mean_attention_keys
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import BACKWARD, Device
 
@@ -238,7 +238,7 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16, aut
     fp32); with `autocast` (framework.autocast) the norms and the softmax run in fp32 between casts."""
     s, h, f, t, e = model.seq, model.hidden, model.ffn_size, split, element
     region = b * s * h / region_split  # elements of the norm/dropout/residual region
-    scores = b * model.heads * s * s / t
+    scores = b * model.heads * s * mean_attention_keys(model) / t
     ops = [
         *_fp32_under_autocast("norm1", "layernorm", region, e, autocast),
         *_fp32_under_autocast("softmax", "softmax", scores, e, autocast),
@@ -253,12 +253,25 @@ def layer_memory_ops(model: ModelSpec, b, split, region_split, element=BF16, aut
         ops += [_op("attn_dropout", kind_bytes("dropout", e) * scores),
                 _op("proj_dropout", kind_bytes("dropout", e) * region),
                 _op("mlp_dropout", kind_bytes("dropout", e) * region)]
+    if model.mla:  # the latents' RMSNorms on the rank's tokens; rotary rewrites the queries' and the key's rope part
+        latents = b * s * (model.q_lora_rank + model.kv_lora_rank) / region_split
+        ops += [*_fp32_under_autocast("latent_norm", "layernorm", latents, e, autocast),
+                _op("rotary", 2 * e * b * s * (model.heads * model.qk_rope_dim / t + model.qk_rope_dim))]
+        return ops
+    if model.qk_norm:  # a norm of each query and key head
+        ops += _fp32_under_autocast("qk_norm", "layernorm", b * s * (model.q_width + model.kv_hidden) / t, e, autocast)
     if not model.learned_positions:  # rotary embedding rewrites Q and K
-        ops.append(_op("rotary", 2 * e * b * s * (h + model.kv_hidden) / t))
+        ops.append(_op("rotary", 2 * e * b * s * (model.q_width + model.kv_hidden) / t))
     return ops
 
 
 CORE_MEMORY_OPS = ("softmax", "softmax_to_fp32", "softmax_from_fp32", "attn_dropout")
+
+
+def causal_share(m, n):
+    """Share of an m x n block of scores a causal kernel computes: CAUSAL_WORK of a square; of a
+    sliding window's m queries x n (< m) keys all but the n x n / 2 triangle the first queries lack."""
+    return 1 - CAUSAL_WORK * np.minimum(n, m) / m
 
 
 def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tuple:
@@ -270,7 +283,7 @@ def flash_curve_times(device: Device, peak_flops: float, count, m, n, k) -> tupl
     has it: the exponentials and rescaling run beside the tensor cores, not on them, so a kernel of
     small head dimension reaches less of peak), the backward's in the same proportion to its
     products as the forward's (docs/equations.md 3.9); one kernel launch each way."""
-    scores = CAUSAL_WORK * count * m * n
+    scores = causal_share(m, n) * count * m * n
     executed = 2 * 2.0 * scores * k
     # `is None`, not `or`: under draws of a profile's ranges these numbers are arrays
     forward_eff = device.flash_forward_efficiency

@@ -23,6 +23,8 @@ from perfsim.spec.plan import edge_chunk_layers
 from perfsim.spec.system import System
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weights, Adam momentum and variance
+# layer pieces (counts.layer_params) every 1d tensor rank holds whole
+REPLICATED_1D = ("norms", "qk_norm", "q_down", "q_norm", "kv_down", "kv_norm")
 
 
 def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear_input_split=None,
@@ -59,17 +61,43 @@ def activation_bytes(model: ModelSpec, b, split, region_split, recompute, linear
     # core keeps K and V expanded to every query head (Megatron's repeat_interleave for kv_heads <
     # heads); the fused kernel, and selective recomputation (the core's inputs), keep kv_heads of them.
     # In FP8 the fused kernel's own output (kept for its backward) is not the projection's FP8 copy.
-    kept_kv = np.where(flash, kv, np.where(recompute == SELECTIVE, kv, h))
+    q_width = model.q_width
+    kept_kv = np.where(flash, kv, np.where(recompute == SELECTIVE, kv, q_width))
     core_output = e * np.asarray(fp8) * np.asarray(flash) * (recompute == NONE)
-    attention = (e * sbh + 2 * e * s * b * kept_kv + core_output * sbh) / split + linear * sbh / inputs
+    if model.mla:
+        attention = _mla_attention_bytes(model, s * b, split, region_split, region_inputs, inputs, e, norm, linear,
+                                         core_output)
+    else:
+        sbq = s * b * q_width  # Q, the context and the projection's input: heads x head_dim wide
+        attention = (e * sbq + 2 * e * s * b * kept_kv + core_output * sbq) / split + linear * sbq / inputs
+    if model.qk_norm:  # each query and key head's norm keeps its input
+        attention = attention + norm * s * b * (q_width + kv) / split
     # MLP internals: GeLU input, or SwiGLU's gate and up projections; FC2's input
     mlp = (2 * e if model.gated_mlp else e) * s * b * f / split + linear * s * b * f / inputs
     probabilities = FP32 + e if autocast else e  # the softmax's output (and under autocast its cast copy)
-    scores = (probabilities + mask * (1 + e)) * a * s * s * b / split  # softmax output, dropout mask and output
+    keys = counts.mean_attention_keys(model)  # s, or fewer on sliding-window layers
+    scores = (probabilities + mask * (1 + e)) * a * s * keys * b / split  # softmax output, dropout mask and output
     scores = np.where(flash, FP32 * a * s * b / split, scores)
     scores = np.where(recompute == SELECTIVE, 0, scores)  # the checkpointed core keeps its inputs alone
     kept = region + attention + mlp + gathered_weight_bytes + scores
     return np.where(recompute == FULL, e * sbh / region_split, kept)
+
+
+def _mla_attention_bytes(model: ModelSpec, tokens, split, region_split, region_inputs, inputs, e, norm, linear,
+                         core_output):
+    """What a latent-attention block keeps for backward, as Megatron-Core's MLASelfAttention
+    (multi_latent_attention.py, get_query_key_value_tensors) leaves it: the down projections share
+    the layer's normed input (counted with the region's linear inputs); on the rank's tokens the
+    latents' norms keep their inputs (the query latent, and the key/value latent viewed in the
+    down projection's output with the rotary key) and the up projections their normed latents;
+    the core keeps Q and K (qk_nope_dim + qk_rope_dim a head, the rotary key expanded to every
+    head) and V (v_head_dim), and the projection its input, the context (a v_head_dim)."""
+    a, (qk, v) = model.heads, counts.head_widths(model)
+    q_lora, kv_lora = model.q_lora_rank, model.kv_lora_rank
+    latents = norm * (q_lora + kv_lora + model.qk_rope_dim) * tokens / region_split
+    latents = latents + linear * (q_lora + kv_lora) * tokens / region_inputs
+    core = (e * tokens * a * (2 * qk + v) + core_output * tokens * a * v) / split
+    return latents + core + linear * tokens * a * v / inputs
 
 
 def layer_activation_bytes(model: ModelSpec, b, t, sp, recompute):
@@ -127,7 +155,9 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
     emb = counts.embedding_params(model, 1)
     if c.tp_mode == "1d":
         bias = h if model.bias else 0
-        replicated = pieces["norms"] + 2 * bias  # norms, and the biases of the row-parallel linears
+        # norms (a layer's, qk norms, MLA's latent norms), the biases of the row-parallel linears,
+        # and MLA's duplicated down projections
+        replicated = sum(pieces.get(k, 0) for k in REPLICATED_1D) + 2 * bias
         per_layer = (sum(pieces.values()) - replicated) / t + replicated
         shard, position, final_norm = t, emb["position"], counts.norm_params(model)
     else:

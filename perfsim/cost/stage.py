@@ -105,7 +105,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     fwd_coll, bwd_coll = tpc.layer_collectives(layout, model, b, c.element)
     layer_tp_fwd, layer_tp_bwd = tp_time(fwd_coll), tp_time(bwd_coll)
     if c.tp_mode == "1d":
-        overlapped_fwd, overlapped_bwd = overlapped_tp_times(dev, peak_flops, layout, gemms,
+        overlapped_fwd, overlapped_bwd = overlapped_tp_times(model, dev, peak_flops, layout, gemms,
                                                              c.element * b * model.seq * model.hidden, tp_time, c.fp8,
                                                              eta_tp, clock)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
@@ -190,7 +190,7 @@ def chunk_times(model: ModelSpec, c: Columns, costs: StageCosts, position: str) 
     return out
 
 
-def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0,
+def overlapped_tp_times(model, device, peak_flops: float, layout, gemms: list, activation_bytes, tp_time, fp8=0,
                         efficiency=1.0, clock=1.0) -> tuple:
     """(forward, backward) exposed seconds of one 1d + SP layer's collectives with tp_overlap
     (Megatron-Core's --tp-comm-overlap): each all-gather is cut into t chunks pipelined with the
@@ -199,17 +199,19 @@ def overlapped_tp_times(device, peak_flops: float, layout, gemms: list, activati
     what a GEMM cannot hide, and always one chunk, stays exposed, and the 1 - `efficiency` share of
     the rest (collectives.overlap_efficiency less the SMs the kernels hold, contention.py; docs/equations.md 4.2,
     6.1). `gemms`: the layer's GEMMs (tensor_parallel.layer_gemms), at the SM clock ratio `clock`
-    (clocks.py); `activation_bytes`: the [b, s, h] tensor."""
-    gather = tp_time([tpc.Collective(tpc.ALL_GATHER, activation_bytes)])
-    scatter = tp_time([tpc.Collective(tpc.REDUCE_SCATTER, activation_bytes)])
+    (clocks.py); `activation_bytes`: the [b, s, h] tensor. Latent attention's gathers are its
+    latents', beside the up projections they feed (tensor_parallel.overlapped_pairs)."""
     times = {}
     for g in gemms:
         forward, _, first, second, _ = gemm_pass_times(device, peak_flops, g, fp8)  # fp8: layer.gemm_rate
         times[g.name] = (forward / clock, (first + second) / clock)
-    pairs = ((gather, "qkv"), (scatter, "proj"), (gather, "fc1"), (scatter, "fc2"))
+    pairs, exposed = tpc.overlapped_pairs(model, activation_bytes)
+    pairs = [(tp_time([x]), name) for x, name in pairs]
     t = layout.size
     forward = sum(overlapped_exposure(comm, times[name][0], t, efficiency) for comm, name in pairs)
     backward = sum(overlapped_exposure(comm, times[name][1], t, efficiency) for comm, name in pairs)
+    if exposed:
+        forward, backward = forward + tp_time(exposed[0]), backward + tp_time(exposed[1])
     return forward, backward
 
 

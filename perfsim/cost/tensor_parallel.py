@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from perfsim.cost.counts import attention_key_mix, head_widths
 from perfsim.cost.layer import BF16, FP32, Gemm
+from perfsim.errors import PerfsimError
 from perfsim.spec.model import ModelSpec
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE = (
@@ -74,6 +76,9 @@ def grid(mode: str, tp, depth=1):
 
 
 def layout_of(model: ModelSpec, c) -> Layout:
+    if model.mla and c.tp_mode != "1d":
+        raise PerfsimError(f"latent attention (attention_type = mla) is priced with 1d tensor parallelism only, "
+                           f"not --tp-mode {c.tp_mode}")
     q, d = grid(c.tp_mode, c.tp, c.tp_depth)
     if c.tp_mode == "1d":
         region = np.where(c.sp, c.tp, 1)
@@ -120,6 +125,8 @@ def linear_gemm(layout: Layout, name: str, tokens, h_in, h_out, column_parallel:
     q, d, mode = layout.q, layout.depth, layout.mode
     if mode == "1d":
         t = layout.size
+        if column_parallel is None:  # duplicated on every rank, on its own tokens (1/t of them with SP)
+            return Gemm(name, 1, tokens / layout.region_split, h_out, h_in)
         return Gemm(name, 1, tokens, h_out / t, h_in) if column_parallel else Gemm(name, 1, tokens, h_out, h_in / t)
     if mode == "3d":
         return Gemm(name, 1, tokens / q, h_out / q, h_in / q)
@@ -155,10 +162,33 @@ def _hidden_axis(layout: Layout) -> str:
 
 
 def layer_linears(model: ModelSpec):
-    """(name, h_in, h_out, column-parallel in 1d) of a layer's four linears, in order."""
+    """(name, h_in, h_out, split in 1d) of a layer's linears, in order: column-parallel (True),
+    row-parallel (False) or, for latent attention's down projections, duplicated on every tensor
+    rank (None: Megatron-Core's MLASelfAttention builds linear_q_down_proj and linear_kv_down_proj
+    as TELinear with parallel_mode "duplicated", run on the rank's own tokens)."""
     h, f = model.hidden, model.ffn_size
-    return (("qkv", h, h + 2 * model.kv_hidden, True), ("proj", h, h, False),
-            ("fc1", h, 2 * f if model.gated_mlp else f, True), ("fc2", f, h, False))
+    mlp = (("fc1", h, 2 * f if model.gated_mlp else f, True), ("fc2", f, h, False))
+    if model.mla:
+        a, (qk, v) = model.heads, head_widths(model)
+        query = ((("q_down", h, model.q_lora_rank, None), ("q_up", model.q_lora_rank, a * qk, True))
+                 if model.q_lora_rank else (("q", h, a * qk, True),))
+        return (*query, ("kv_down", h, model.kv_lora_rank + model.qk_rope_dim, None),
+                ("kv_up", model.kv_lora_rank, a * (model.qk_nope_dim + v), True), ("proj", a * v, h, False), *mlp)
+    return (("qkv", h, model.q_width + 2 * model.kv_hidden, True), ("proj", model.q_width, h, False), *mlp)
+
+
+def attention_core_gemms(model: ModelSpec, heads, cp=1) -> list[Gemm]:
+    """The scores and context products of one layer for `heads` sequence-heads: cp x cp ring
+    blocks of (s/cp) queries each; keys per query s, or the window on sliding-window layers (a
+    model mixing both gets one pair per kind, counts in proportion to its layers)."""
+    qk, v = head_widths(model)
+    block = model.seq / cp
+    gemms = []
+    for share, keys in attention_key_mix(model):
+        blocks = heads * cp * cp if share == 1 else heads * share * cp * cp
+        key_block = block if keys == model.seq else keys / cp
+        gemms += [Gemm("scores", blocks, block, key_block, qk), Gemm("context", blocks, block, v, key_block)]
+    return gemms
 
 
 def layer_gemms(layout: Layout, model: ModelSpec, b, cp=1) -> list[Gemm]:
@@ -166,12 +196,10 @@ def layer_gemms(layout: Layout, model: ModelSpec, b, cp=1) -> list[Gemm]:
     parallelism b is mbs/cp (a rank's s/cp tokens of each of mbs sequences, and by causal load
     balancing 1/cp of their attention) and the attention products are cut into the ring's
     blocks: cp x cp blocks of (s/cp) x (s/cp) per sequence-head of the b (docs/equations.md 11.2)."""
-    tokens, s = b * model.seq, model.seq
+    tokens = b * model.seq
     gemms = [linear_gemm(layout, name, tokens, h_in, h_out, col) for name, h_in, h_out, col in layer_linears(model)]
     heads = b * model.heads / layout.size  # whole sequences, heads / P of them, in every mode
-    blocks, block = heads * cp * cp, s / cp
-    gemms += [Gemm("scores", blocks, block, block, model.head_dim), Gemm("context", blocks, block, model.head_dim, block)]
-    return gemms
+    return gemms + attention_core_gemms(model, heads, cp)
 
 
 def layer_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tuple[list, list]:
@@ -180,6 +208,8 @@ def layer_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tupl
     tokens = b * model.seq
     if layout.mode == "1d":
         activation = element * tokens * model.hidden
+        if model.mla:
+            return _mla_boundaries(model, tokens, element, layout.region_split > 1)
         return _boundary(activation, layout.region_split > 1, 2), _boundary(activation, layout.region_split > 1, 2)
     forward, backward = [], []
     for index, (_, h_in, h_out, _) in enumerate(layer_linears(model)):
@@ -188,6 +218,45 @@ def layer_collectives(layout: Layout, model: ModelSpec, b, element=BF16) -> tupl
         backward += bwd
     stats = norm_statistics(layout, model, tokens, 2)  # two norms a layer
     return forward + [stats], backward + [stats]
+
+
+def _mla_boundaries(model: ModelSpec, tokens, element, sp) -> tuple[list, list]:
+    """(forward, backward) 1d collectives of a latent-attention layer (MLASelfAttention's
+    _qkv_down_projection and get_query_key_value_tensors): the down projections run on the rank's
+    tokens, so what enters the parallel region is the query latent (or, without q_lora_rank, the
+    layer input), the key/value latent and the rotary key: with SP each all-gathered (their
+    gradients reduce-scattered backward), without SP the column-parallel up projections' input
+    gradients all-reduced backward (the rotary key feeds no tensor-parallel linear). Leaving:
+    the projection's [T, h], then the MLP's two boundaries as in any 1d layer."""
+    query = model.q_lora_rank or model.hidden
+    latents = [element * tokens * width for width in (query, model.kv_lora_rank)]
+    rope = element * tokens * model.qk_rope_dim
+    activation = element * tokens * model.hidden
+    forward = [Collective(ALL_GATHER, x, np.where(sp, 1, 0)) for x in latents + [rope]]
+    forward += [Collective(ALL_REDUCE, activation, np.where(sp, 0, 1)), Collective(REDUCE_SCATTER, activation,
+                                                                                  np.where(sp, 1, 0))]
+    backward = [Collective(REDUCE_SCATTER, x, np.where(sp, 1, 0)) for x in latents + [rope]]
+    backward += [Collective(ALL_REDUCE, x, np.where(sp, 0, 1)) for x in latents]
+    backward += [Collective(ALL_GATHER, activation, np.where(sp, 1, 0))]
+    mlp = _boundary(activation, sp, 1)
+    return forward + mlp, backward + mlp
+
+
+def overlapped_pairs(model: ModelSpec, activation_bytes) -> tuple[list, tuple]:
+    """1d + SP with tp_overlap: ((collective, the GEMM it is pipelined with) of one layer, the
+    collectives no GEMM hides as (forward, backward) lists, or ()). `activation_bytes`: the
+    layer's [b, s, h]. Latent attention gathers its query and key/value latents into the up
+    projections (the query's layer input into the direct projection without q_lora_rank); its
+    rotary key's gather and scatter stay exposed."""
+    gather, scatter = Collective(ALL_GATHER, activation_bytes), Collective(REDUCE_SCATTER, activation_bytes)
+    mlp = [(gather, "fc1"), (scatter, "fc2")]
+    if not model.mla:
+        return [(gather, "qkv"), (scatter, "proj")] + mlp, ()
+    per_width = activation_bytes / model.hidden
+    query = ((Collective(ALL_GATHER, per_width * model.q_lora_rank), "q_up") if model.q_lora_rank else (gather, "q"))
+    latents = [query, (Collective(ALL_GATHER, per_width * model.kv_lora_rank), "kv_up"), (scatter, "proj")]
+    rope = per_width * model.qk_rope_dim
+    return latents + mlp, ([Collective(ALL_GATHER, rope)], [Collective(REDUCE_SCATTER, rope)])
 
 
 def norm_statistics(layout: Layout, model: ModelSpec, tokens, norms) -> Collective:
