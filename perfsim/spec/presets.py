@@ -4,6 +4,14 @@ _GPT3 = {"seq": 2048, "vocab": 50257}
 _SC21 = {"seq": 2048, "vocab": 51200}
 _LLAMA2 = {"seq": 4096, "vocab": 32000, "gated_mlp": True, "tied_embeddings": False, "bias": False,
            "norm": "rmsnorm", "learned_positions": False, "dropout": False}
+# Today's decoders: SwiGLU, RMSNorm, rotary positions, no dropout. seq is the training sequence of
+# the published runs (../shared/reference/published.md section 7: 4096), not the checkpoints'
+# max_position_embeddings (40,960 for Qwen3, 131,072 for GPT-OSS, 163,840 for DeepSeek-V3).
+_MODERN = {"seq": 4096, "activation": "swiglu", "tied_embeddings": False, "bias": False, "norm": "rmsnorm",
+           "learned_positions": False, "dropout": False}
+_QWEN3 = {**_MODERN, "vocab": 151936, "head_dim": 128, "qk_norm": True}
+_GPT_OSS = {**_MODERN, "vocab": 201088, "hidden": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64, "ffn": 2880,
+            "expert_ffn": 2880, "topk": 4, "bias": True, "attention_sinks": True, "window": 128, "window_every": 2}
 
 
 def _rows(family: dict, rows: dict) -> dict:
@@ -50,4 +58,39 @@ PRESETS: dict[str, dict] = {
         "llama2-13b": {"layers": 40, "hidden": 5120, "heads": 40, "ffn": 13824},
         "llama2-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672},
     }),
+    # Qwen3 (Qwen team, "Qwen3 Technical Report", arXiv 2505.09388, Tables 1-2, and the checkpoints'
+    # config.json on Hugging Face, Qwen/Qwen3-*): head_dim 128 apart from hidden / heads, RMSNorm on
+    # each query and key head, no biases. Dense: tied embeddings below 4B (not listed here). MoE: every
+    # layer routed (decoder_sparse_step 1, mlp_only_layers []), no shared expert; intermediate_size,
+    # the dense FFN width no layer uses, kept as ffn.
+    **_rows(_QWEN3, {
+        "qwen3-8b": {"layers": 36, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 12288},
+        "qwen3-14b": {"layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 8, "ffn": 17408},
+        "qwen3-32b": {"layers": 64, "hidden": 5120, "heads": 64, "kv_heads": 8, "ffn": 25600},
+        "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "ffn": 6144,
+                          "experts": 128, "topk": 8, "expert_ffn": 768},
+        "qwen3-235b-a22b": {"layers": 94, "hidden": 4096, "heads": 64, "kv_heads": 4, "ffn": 12288,
+                            "experts": 128, "topk": 8, "expert_ffn": 1536},
+    }),
+    # GPT-OSS (OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025, Table 1, and openai/gpt-oss-*'s
+    # config.json): 128-token sliding window on every other layer (layer_types start with
+    # sliding_attention), a learned sink logit per head, biases on QKV, the projection, the router
+    # and the experts (attention_bias true; the experts' gate_up_proj_bias, down_proj_bias).
+    # Its clamped SwiGLU (swiglu_limit 7) is priced as SwiGLU.
+    **_rows(_GPT_OSS, {
+        "gpt-oss-120b": {"layers": 36, "experts": 128},
+        "gpt-oss-20b": {"layers": 24, "experts": 32},
+    }),
+    # DeepSeek-V3 (DeepSeek-AI, arXiv 2412.19437, section 4.2, and deepseek-ai/DeepSeek-V3's
+    # config.json): latent attention, 3 dense layers of 18432 then 58 of 256 routed experts (top 8)
+    # and one shared expert of 2048. Its multi-token-prediction module (num_nextn_predict_layers 1,
+    # 14B more parameters) is out of scope; node-limited routing (topk_group) is a dispatch matter.
+    "deepseek-v3": {**_MODERN, "vocab": 129280, "layers": 61, "hidden": 7168, "heads": 128, "ffn": 18432,
+                    "attention_type": "mla", "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_dim": 128,
+                    "qk_rope_dim": 64, "v_head_dim": 128, "experts": 256, "topk": 8, "expert_ffn": 2048,
+                    "shared_expert_ffn": 2048, "dense_layers": 3},
+    # Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088, Table 1, and mistralai/Mixtral-8x7B-v0.1's
+    # config.json): every layer 8 experts of 14336, top 2; no sliding window (sliding_window null).
+    "mixtral-8x7b": {**_MODERN, "vocab": 32000, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                     "ffn": 14336, "experts": 8, "topk": 2, "expert_ffn": 14336},
 }
