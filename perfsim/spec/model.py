@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfsim.errors import PerfsimError, did_you_mean
+from perfsim.spec.hf_config import is_hf_config, read_hf_config
 from perfsim.spec.presets import PRESETS
 
 LARGEST_SIZE = 2**40  # sizes above this are typos, and would overflow the cost layer's integers
@@ -249,9 +250,13 @@ def _parse_inline(text: str) -> dict:
 
 
 def load_model(text: str) -> ModelSpec:
-    """A preset name, an inline `key=value,...` spec, or a path to a TOML file."""
+    """A preset name, an inline `key=value,...` spec, a path to a TOML file, or a Hugging Face
+    config.json (`path/config.json[,key=value,...]`: perfsim.spec.hf_config)."""
     if text in PRESETS:
         return build_model(text, dict(PRESETS[text]), f"preset {text}")
+    if is_hf_config(text):  # a Hugging Face config.json, optionally followed by ",key=value" overrides
+        name, fields = read_hf_config(text, _parse_inline)
+        return build_model(name, fields, f"config {_quoted(text.partition(',')[0])}")
     if text.endswith(".toml") or os.path.sep in text:
         data = read_toml(text, "model file")
         if "model" in data:  # the fields under [model]; nothing else beside it
@@ -265,4 +270,5 @@ def load_model(text: str) -> ModelSpec:
         return build_model(os.path.splitext(os.path.basename(text))[0], data, f"model file {text}")
     if "=" in text:
         return build_model("custom", _parse_inline(text), f"model spec {_quoted(text)}")
-    raise PerfsimError(f"unknown model {_quoted(text)}: use a preset (see `perfsim profiles`), key=value pairs, or a .toml file")
+    raise PerfsimError(f"unknown model {_quoted(text)}: use a preset (see `perfsim profiles`), key=value pairs, a .toml "
+                       "file or a Hugging Face config.json")
