@@ -110,7 +110,8 @@ def test_every_plan_kind_keeps_one_device(tmp_path_factory, world):
     SP, every recompute mode, unfused and flash attention), pipelines (GPipe, 1F1B, interleaved),
     ZeRO 0-3, context parallelism, the calibration's tensor-parallel overhead layers and its
     collectives; 4: 2d, context beside tensor and data parallelism; 8: 2.5d, 3d; each plan with the
-    GPT and a Llama-shaped model."""
+    GPT and a Llama-shaped model; and at 1, 2 and 4 a model with experts' default plans (expert
+    parallelism with either dispatcher, expert-DP, selective recomputation)."""
     data = run_rank_check(tmp_path_factory, "validate.device_check", world)
     assert data["plans"] == [label for label, _ in cases_at(world)]
 

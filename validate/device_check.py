@@ -16,6 +16,9 @@ from __future__ import annotations
 MODELS = {"gpt": "hidden=64,heads=4,seq=16,vocab=512,tied_embeddings=false,dropout=false",
           "llama": "hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
                    "learned_positions=false,seq=16,vocab=512,tied_embeddings=false,dropout=false"}
+# a model with experts (validate.moe): its default plans at 1, 2 and 4 ranks (validate.timing.expert_plans)
+MOE = ("hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,learned_positions=false,"
+       "seq=16,vocab=512,tied_embeddings=false,dropout=false,experts=4,topk=2,expert_ffn=32,shared_expert_ffn=64")
 
 
 def model_of(plan, spec: str):
@@ -62,13 +65,20 @@ def label_of(plan) -> str:
 
 
 def cases_at(world: int, models=tuple(MODELS)) -> list:
-    """(label, run) of every plan at `world` ranks with each of `models`, and at 2 ranks the
+    """(label, run) of every plan at `world` ranks with each of `models`, a model with experts'
+    default plans at 1, 2 and 4 ranks, and at 2 ranks the
     calibration's tensor-parallel overhead layers (validate.tp_overhead, DTensor's and Megatron's
     layer timed in turn) and its collectives; run(device, dtype) builds and steps it."""
     import functools
 
     cases = [(f"{name} {label_of(plan)}", functools.partial(_steps, plan, MODELS[name]))
              for name in models for plan in plans_at(world, MODELS[name])]
+    if world <= 4:
+        from perfsim.spec.model import load_model
+        from validate.timing import default_plans
+
+        cases += [(f"moe {label_of(plan)}", functools.partial(_steps, plan, MOE))
+                  for plan in default_plans(world, load_model(f"layers=1,{MOE}"), mbs=2)]
     if world == 2:
         from validate.microbench import TP_OVERHEAD_LAYOUTS
 

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
-from validate.moe import is_expert_parameter, moe_layers
-
 
 def plan_ep(plan) -> int:
     return getattr(plan, "ep", 1) or 1
@@ -64,9 +60,11 @@ class ExpertParallelStep:
     saw tokens of all its EP group's ranks)."""
 
     def __init__(self, plan, model, device, dtype, reference=None):
+        import torch
         import torch.distributed as dist
 
         from validate.gpt import GPT, GPTConfig
+        from validate.moe import moe_layers
         from validate.optim import MasterAdam
         from validate.training import synthetic_batches
 
@@ -98,6 +96,8 @@ class ExpertParallelStep:
         """[(flat buffer, group or None)]: the dense gradients' and the experts', each parameter's
         .grad a view into its buffer (backward accumulates in place)."""
         import torch.distributed as dist
+
+        from validate.moe import is_expert_parameter
 
         dense = [p for n, p in self.module.named_parameters() if not is_expert_parameter(n)]
         experts = [p for n, p in self.module.named_parameters() if is_expert_parameter(n)]

@@ -5,7 +5,8 @@ FILE` for several, one after the other in the same processes: validate.launcher.
 starts them once for all the plans a run measures; the Slurm jobs use mpiexec and `--plan`). For
 each plan every rank builds the training step (build_step: 1d / 1d+SP in validate.training, 2d /
 2.5d / 3d in validate.multidim, pipelines in validate.pipeline, data parallelism in
-validate.sharded_dp, context parallelism in validate.context_parallel), runs it once under the
+validate.sharded_dp, context parallelism in validate.context_parallel, a model with experts in
+validate.expert_parallel), runs it once under the
 counters (matrix FLOPs: LocalFlopCounter; bytes sent per collective kind: CollectiveCounter; the
 peak of live bytes saved for backward: SavedBytes), then once more while the allocator's peak is
 recorded (Device.allocation_peak: what the build and the first step keep, not their transients),
@@ -46,7 +47,9 @@ def build_step(plan, model, device, dtype, alone: bool = False):
     one-device plan run by this rank on its own, beside the other ranks' copies."""
     if alone:
         return TensorParallelStep(plan, model, device, dtype, alone=True)
-    if getattr(plan, "cp", 1) > 1:
+    if getattr(plan, "ep", 1) > 1 or (getattr(model, "moe", False) and plan.devices > 1):
+        from validate.expert_parallel import build_step as build
+    elif getattr(plan, "cp", 1) > 1:
         from validate.context_parallel import build_step as build
     elif plan.pp > 1:
         from validate.pipeline import build_step as build

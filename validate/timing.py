@@ -33,7 +33,8 @@ def default_plans(nproc: int, model=None, mbs: int = 2) -> list:
     each recompute mode, the three pipeline schedules, and ZeRO 0-3; 2d at 4 devices, 2.5d and 3d
     at 8 (where their grids exist); today's stack: 1d with flash attention (torch's SDPA) and
     context parallelism (ring attention). With `model` (a ModelSpec), the plans it cannot run (tp
-    not dividing its heads, pp not dividing its layers, cp not dividing its sequence) are left out."""
+    not dividing its heads, pp not dividing its layers, cp not dividing its sequence) are left out;
+    a model with experts runs `expert_plans` instead on more than one device (EP at 2 and 4 ranks)."""
     from perfsim.spec.plan import RECOMPUTE, Plan, plan_problems
 
     n = nproc
@@ -48,7 +49,25 @@ def default_plans(nproc: int, model=None, mbs: int = 2) -> list:
         stack.append(Plan(cp=n, attention="flash", mbs=mbs, gbs=2 * mbs))
     plans = (tp + pp + dp + grids.get(n, []) + stack if n > 1 else
              [Plan(recompute=rc, mbs=mbs, gbs=2 * mbs) for rc in RECOMPUTE] + [Plan(attention="flash", mbs=mbs, gbs=2 * mbs)])
+    if getattr(model, "moe", False) and n > 1:
+        plans = expert_plans(n, mbs)
     return [p for p in plans if model is None or not plan_problems(p, model, n)]
+
+
+def expert_plans(n: int, mbs: int = 2) -> list:
+    """The plans of a model with experts on `n` > 1 ranks (validate.expert_parallel runs them: data
+    parallelism of the attention, experts folded over EP x expert-DP): EP over every rank with each
+    dispatcher, EP over 2 ranks beside expert-DP where n > 2, selective recomputation, and every
+    expert on every rank (ep 1)."""
+    from perfsim.spec.plan import Plan
+
+    if "ep" not in Plan.__dataclass_fields__:  # a perfsim without expert parallelism
+        return [Plan(dp=n, mbs=mbs, gbs=2 * mbs * n)]
+    eps = [n] + ([2] if n > 2 else [])
+    plans = [Plan(dp=n, ep=e, mbs=mbs, gbs=2 * mbs * n) for e in eps]
+    plans += [Plan(dp=n, ep=n, moe_dispatcher="allgather", mbs=mbs, gbs=2 * mbs * n),
+              Plan(dp=n, ep=n, recompute="selective", mbs=mbs, gbs=2 * mbs * n), Plan(dp=n, mbs=mbs, gbs=2 * mbs * n)]
+    return plans
 
 
 def parse_plans(text: str) -> list:
@@ -96,6 +115,9 @@ def plan_label(plan) -> str:
         parts.append(f"pp{plan.pp} {plan.schedule}{f' v{plan.vpp}' if plan.vpp > 1 else ''}")
     if plan.dp > 1:
         parts.append(f"dp{plan.dp} zero{plan.zero}")
+    if getattr(plan, "ep", 1) > 1:
+        parts.append(f"ep{plan.ep}" + (f" etp{plan.etp}" if plan.etp not in (0, plan.tp) else "")
+                     + (f" {plan.moe_dispatcher}" if plan.moe_dispatcher != "alltoall" else ""))
     parts.append(f"rc-{plan.recompute} mbs{plan.mbs} m{plan.microbatches}")
     return " ".join(parts)
 
@@ -110,15 +132,21 @@ HARNESS_REVISION = 2
 # Plan fields added after ledgers were written, with the value every earlier point ran with: a
 # plan at that value keys as before the field existed, so a ledger's points are still found.
 LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1,
-                     "first_stage_layers": 0, "last_stage_layers": 0, "pp_layout": ""}
+                     "first_stage_layers": 0, "last_stage_layers": 0, "pp_layout": "",
+                     "ep": 1, "etp": 0, "moe_dispatcher": "alltoall"}
 
 
-def harness_problems(plan) -> list:
+def harness_problems(plan, model=None) -> list:
     """What the harness cannot run as perfsim prices it: plan knobs of today's stacks that
     validate/ does not implement yet (its collectives are issued between the computations).
     Both attention kernels run: unfused as Megatron's kernels, flash as torch's
-    scaled_dot_product_attention (validate.gpt)."""
+    scaled_dot_product_attention (validate.gpt). Experts (a `model` with them, or ep > 1) run
+    with data parallelism alone (validate.expert_parallel.step_problems)."""
     problems = context_parallel_problems(plan)
+    if getattr(plan, "ep", 1) > 1 or (getattr(model, "moe", False) and plan.devices > 1):
+        from validate.expert_parallel import step_problems
+
+        problems += step_problems(plan, model)
     for knob in ("dp_overlap", "tp_overlap"):
         if getattr(plan, knob):
             problems.append(f"the harness issues its collectives between the computations; leave {knob} off")
@@ -411,7 +439,7 @@ def run_plans(plans, model_spec: str, system_name: str, device: str, nproc: int,
     model = load_model(model_spec)
     system = harness_system(load_system(system_name), dtype, device)
     for plan in plans:
-        problems = plan_problems(plan, model, 1 if alone else nproc) + harness_problems(plan)
+        problems = plan_problems(plan, model, 1 if alone else nproc) + harness_problems(plan, model)
         if problems:
             raise PerfsimError(f"plan {plan_label(plan)}: {'; '.join(problems)}")
     ledger_path = ledger_path or f"validation-{device}.jsonl"
