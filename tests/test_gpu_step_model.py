@@ -13,7 +13,7 @@ import pytest
 
 from perfsim.calibrate import overheads as oh
 from perfsim.calibrate.compute import fit_flash
-from perfsim.calibrate.host_bound import HOST_BOUND, device_times, host_floor
+from perfsim.calibrate.host_bound import HOST_BOUND, contained_host_bound, device_times, host_floor
 from perfsim.cost.layer import FP32, flash_curve_times, head_memory_ops, layer_memory_ops
 from perfsim.cost.memory import activation_bytes
 from perfsim.predict import predict
@@ -68,6 +68,32 @@ def test_a_single_call_is_taken_less_the_host_floor_or_left_out():
     short = _point("flash", 2 ** 28, 51e-6, number=1, suite="attention", low=47e-6)
     kept, _ = device_times(floor + [long, short], "xpu")
     assert [r["_t"] for r in kept] == [pytest.approx(52e-6)]  # the median less the floor; the short one gone
+
+
+def _gemm_point(m, n, k, seconds, count=1, number=20):
+    stats = {"mean_s": seconds, "median_s": seconds, "min_s": seconds, "number": number}
+    return {"suite": "gemm", "op": "matmul", "dtype": "bf16", "shape": {"count": count, "m": m, "n": n, "k": k},
+            "flops": 2.0 * count * m * n * k, "stats": stats, "_t": seconds}
+
+
+def test_a_gemm_a_containing_gemm_outran_is_the_hosts():
+    """Hand count: 2048 x 128 x 512 at 46 us is contained by 2048 x 512 x 512 (4 x its FLOPs) at 11.5
+    us <= 1.15 x 46 us, so its time is the host's; 2048 x 2048 x 2048 at 26.6 us is contained by
+    2048 x 2048 x 8192 (4 x) only at 92 us > 1.15 x 26.6: kept; 2048 x 2048 x 6144 at 63 us is
+    contained by nothing of 2 x its FLOPs; 128 x 8192 x 8192 at 40 us is not contained by 8192 x
+    8192 x 128 (k smaller), however fast; a single call is never judged by its time."""
+    records = [_gemm_point(2048, 128, 512, 46e-6), _gemm_point(2048, 512, 512, 11.5e-6),
+               _gemm_point(2048, 2048, 2048, 26.6e-6), _gemm_point(2048, 2048, 8192, 92e-6),
+               _gemm_point(2048, 2048, 6144, 63e-6), _gemm_point(128, 8192, 8192, 40e-6),
+               _gemm_point(8192, 8192, 128, 20e-6), _gemm_point(1024, 256, 512, 30e-6, number=1)]
+    assert contained_host_bound(records) == {0}
+    # a containing GEMM of under 2 x the FLOPs says nothing: 2048 x 128 x 768 at the same time
+    assert contained_host_bound([_gemm_point(2048, 128, 512, 46e-6), _gemm_point(2048, 128, 768, 46e-6)]) == set()
+    # on a GPU the contained point is left out, with a note; on a CPU nothing changes
+    kept, notes = device_times(records[:6], "cuda")
+    assert [r["shape"]["n"] for r in kept] == [512, 2048, 2048, 2048, 8192]
+    assert any("1 more points above the floor" in note for note in notes)
+    assert device_times(records, "cpu") == (records, [])
 
 
 # --- the fused kernel's softmax ---

@@ -20,7 +20,15 @@ above their op's floor say how long the kernel runs:
   repetitions after a one-off first call still carry warm-up) less the floor is the kernel's. Where
   even its fastest repetition took under SINGLE_CALL x the floor, the host's share (which for a
   call right after recording an event is larger and more erratic than back to back: the shared
-  H200 ledger's 8 x 512 flash backward took 133-484 us) leaves nothing to read: it is left out.
+  H200 ledger's 8 x 512 flash backward took 133-484 us) leaves nothing to read: it is left out;
+- the host's time per call is no one number: on the shared H200 ledger a matmul's ran 10.5-50 us
+  (the same sweep's 128 x 128 x 4096 at 15 us, 2048 x 128 x 512 at 46 us, 2048 x 512 x 512 at
+  11 us), so points at 1.5-4 x the fastest floor can still be the host's. A GEMM's problem holds
+  every smaller one it contains (each of count, m, n and k at least as large): its kernel cannot
+  finish that work in less time than the smaller kernel takes. So a GEMM point timed back to back
+  is the host's where a GEMM containing it, with CONTAINED_WORK x its FLOPs or more, took no more
+  than FLAT x its time (left out too: on the shared ledger 34 of the 149 above the floor, at
+  17-50 us, which had held the curve fit at 23%).
 
 A CPU rank runs its kernels itself: nothing is changed there (the fitted kernel overhead is then
 the host's and the device's at once, which is what a CPU step pays per kernel).
@@ -36,6 +44,7 @@ FLAT = 1.15  # points this close to an op's fastest time sit on the same floor
 FLAT_SPAN = 4.0  # ... when their sizes differ this much: their time does not follow their size
 HOST_BOUND = 1.5  # below this multiple of the floor the host's time still shapes a point
 SINGLE_CALL = 3.0  # ... and a single call's, whose host share is larger and erratic
+CONTAINED_WORK = 2.0  # a GEMM containing another with this many times its FLOPs ...
 
 
 def _size(record: dict) -> float:
@@ -60,6 +69,26 @@ def host_floor(records: list) -> float | None:
     if len(flat) < 2 or max(sizes) < FLAT_SPAN * min(sizes):
         return None
     return float(np.median([t for t, _ in flat]))
+
+
+def _gemm_dims(record: dict) -> tuple:
+    shape = record["shape"]
+    return shape.get("count", 1), shape["m"], shape["n"], shape["k"]
+
+
+def contained_host_bound(records: list) -> set:
+    """Indices of the GEMM `records` (one op and dtype, each with "_t") timed back to back whose
+    time is the host's: a GEMM containing theirs (every dimension at least as large) with
+    CONTAINED_WORK x their FLOPs or more took no more than FLAT x their time (module docstring)."""
+    timed = [(i, _gemm_dims(r), _size(r), r["_t"]) for i, r in enumerate(records) if not _single_call(r)]
+    out = set()
+    for i, dims, size, t in timed:
+        for j, other, other_size, other_t in timed:
+            if (j != i and other_size >= CONTAINED_WORK * size and other_t <= FLAT * t
+                    and all(a >= b for a, b in zip(other, dims))):
+                out.add(i)
+                break
+    return out
 
 
 def device_times(records: list, kind: str) -> tuple:
@@ -92,12 +121,25 @@ def device_times(records: list, kind: str) -> tuple:
             dropped[key] = dropped.get(key, 0) + 1
         else:
             out.append(r)
+    contained = {}  # GEMMs above the floor whose time is still the host's: a containing GEMM ran as fast
+    for key in sorted({(r["suite"], r["op"], r["dtype"]) for r in out if r["suite"] == "gemm"}):
+        group = [r for r in out if (r["suite"], r["op"], r["dtype"]) == key]
+        left_out = contained_host_bound(group)
+        if left_out:
+            contained[key] = len(left_out)
+            drop = {id(group[i]) for i in left_out}
+            out = [r for r in out if id(r) not in drop]
     found = {key: floor for key, floor in floors.items() if floor is not None}
-    if not found:
+    if not found and not contained:
         return out, []
     listed = ", ".join(f"{op} {floor * 1e6:.3g} us ({dropped.get((suite, op, dtype), 0)} of "
                        f"{len(groups[(suite, op, dtype)])} left out)" for (suite, op, dtype), floor in found.items())
-    return out, [f"{kind} runs kernels asynchronously: each op's points below {HOST_BOUND:g} x its host floor (the "
-                 f"host's time per call, where the op's time does not follow its size) are the host's, not the "
-                 f"kernel's, and are left out of the fits and tables; points timed one call at a time are taken "
-                 f"less the floor (perfsim.calibrate.host_bound): {listed}"]
+    notes = [f"{kind} runs kernels asynchronously: each op's points below {HOST_BOUND:g} x its host floor (the "
+             f"host's time per call, where the op's time does not follow its size) are the host's, not the "
+             f"kernel's, and are left out of the fits and tables; points timed one call at a time are taken "
+             f"less the floor (perfsim.calibrate.host_bound): {listed}"] if found else []
+    notes += [f"{op} {dtype}: {count} more points above the floor left out as the host's, a GEMM containing "
+              f"each (every dimension at least as large, {CONTAINED_WORK:g} x its FLOPs or more) having run in "
+              f"no more than {FLAT:g} x its time (perfsim.calibrate.host_bound)"
+              for (suite, op, dtype), count in contained.items()]
+    return out, notes
