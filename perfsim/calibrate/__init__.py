@@ -14,8 +14,8 @@ was measured with the very formulas predictions use):
   cross-entropy, and the backward kernels) gets its own efficiency
   (device.operation_memory_efficiency.<kind>, one scalar each, with that bandwidth and overhead),
   fitted on the dtype a training step runs the kernels in where the ledger has it.
-- GEMMs: gemm_efficiency and gemm_half_dim of the efficiency model
-  (perfsim.cost.layer.gemm_time) on the first measured dtype of the device (fp32 on CPU, bf16 on
+- GEMMs: gemm_efficiency and gemm_half_dim of the efficiency model, and gemm_half_dim_k where the
+  shapes vary k alone (perfsim.cost.layer.gemm_time) on the first measured dtype of the device (fp32 on CPU, bf16 on
   GPUs); every other measured dtype gets its peak_flops_<dtype> rescaled to what it reached.
 - tensor-parallel overhead: with tp_overhead points (the DTensor layer against Megatron's, timed
   alternately, validate/tp_overhead.py), framework.tp_layer_overhead_s and sp_layer_overhead_s are

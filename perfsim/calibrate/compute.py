@@ -21,7 +21,23 @@ def _gemms(records):
     return Gemm("measured", col("count", 1), col("m"), col("n"), col("k"))
 
 
+def _k_apart(g) -> bool:
+    """Whether GEMM shapes tell the reduction dimension's half-dim from m's and n's: some pair
+    differs in k alone (count, m and n equal) and some pair in m or n alone (count and k equal),
+    each by 2x or more."""
+    def alone(varied, fixed):
+        seen: dict = {}
+        for i in range(len(g.m)):
+            seen.setdefault(tuple(float(getattr(g, f)[i]) for f in fixed), []).append(float(getattr(g, varied)[i]))
+        return any(max(v) >= 2 * min(v) for v in seen.values())
+    return alone("k", ("count", "m", "n")) and (alone("m", ("count", "n", "k")) or alone("n", ("count", "m", "k")))
+
+
 def fit_gemms(records, system, kind, ledger):
+    """gemm_efficiency and gemm_half_dim (docs/equations.md 3.1) on the first measured dtype, with
+    gemm_half_dim_k where the fitted shapes vary k apart from m and n (_k_apart; otherwise k keeps
+    the base profile's half-dim, as before): least squares on log time through gemm_time; a peak
+    per other dtype."""
     from perfsim.cost.layer import gemm_time
     from perfsim.predict import peak_flops
 
@@ -39,14 +55,21 @@ def fit_gemms(records, system, kind, ledger):
     peak = peak_flops(system, primary)
     g_fit, t_fit = _gemms(fit), measured_times(fit)
 
+    with_k = _k_apart(g_fit)
+
     def predict(x, g, peak_value):
-        d = dataclasses.replace(dev, gemm_efficiency=math.exp(x[0]), gemm_half_dim=math.exp(x[1]))
+        k_field = {"gemm_half_dim_k": math.exp(x[2])} if with_k else {}
+        d = dataclasses.replace(dev, gemm_efficiency=math.exp(x[0]), gemm_half_dim=math.exp(x[1]), **k_field)
         return gemm_time(d, peak_value, g)
 
     x0 = [math.log(dev.gemm_efficiency), math.log(max(dev.gemm_half_dim, 1.0))]
-    x = least_squares(lambda x: np.log(predict(x, g_fit, peak) / t_fit), x0,
-                       ([math.log(1e-4), 0.0], [math.log(10.0), math.log(1e6)]))  # half_dim >= 1 element
+    bounds = ([math.log(1e-4), 0.0], [math.log(10.0), math.log(1e6)])  # half-dims >= 1 element
+    if with_k:
+        x0.append(math.log(max(dev.gemm_half_dim if dev.gemm_half_dim_k is None else dev.gemm_half_dim_k, 1.0)))
+        bounds = (bounds[0] + [0.0], bounds[1] + [math.log(1e6)])
+    x = least_squares(lambda x: np.log(predict(x, g_fit, peak) / t_fit), x0, bounds)
     eff, half = math.exp(x[0]), math.exp(x[1])
+    half_k = math.exp(x[2]) if with_k else None
     quality.append(Quality(f"gemm {primary}", mape(predict(x, g_fit, peak), t_fit), len(fit),
                            mape(predict(x, _gemms(held), peak), measured_times(held)) if held else float("nan"), len(held),
                            TARGETS["gemm"]))
@@ -59,9 +82,18 @@ def fit_gemms(records, system, kind, ledger):
         peaks_source = f"raised to what {primary} GEMMs reached ({eff:.3f} x the base profile's {peak:.4g}), {where}"
         values[f"device.peak_flops_{primary}"] = Fitted(peak * eff, peaks_source)
         eff = 1.0
-    values["device.gemm_efficiency"] = Fitted(eff, f"fitted with gemm_half_dim on {where}")
-    values["device.gemm_half_dim"] = Fitted(half, f"fitted with gemm_efficiency on {where}")
+    also = " and gemm_half_dim_k" if with_k else ""
+    values["device.gemm_efficiency"] = Fitted(eff, f"fitted with gemm_half_dim{also} on {where}")
+    values["device.gemm_half_dim"] = Fitted(half, f"fitted with gemm_efficiency{also} on {where}")
+    if with_k:
+        values["device.gemm_half_dim_k"] = Fitted(half_k, f"the reduction dimension's, fitted with gemm_efficiency "
+                                                           f"and gemm_half_dim on {where}: shapes differing in k alone "
+                                                           f"and in m or n alone tell them apart")
+    else:
+        notes.append(f"no {primary} GEMM shapes differing in k alone and in m or n alone: one half-dim for m, n and "
+                     f"k" + ("" if dev.gemm_half_dim_k is None else ", k's kept as in the base profile"))
     system = with_fields(system, device={"gemm_efficiency": eff, "gemm_half_dim": half,
+                                      **({"gemm_half_dim_k": half_k} if with_k else {}),
                                       **{f"peak_flops_{d}": v for d, v in peaks.items()}})
     dev = system.device
     for dtype in dtypes[1:]:
@@ -79,7 +111,7 @@ def fit_gemms(records, system, kind, ledger):
                                note=f"peak rescaled x{new_peak / base_peak:.2f}, efficiency model of {primary}"))
         values[f"device.peak_flops_{dtype}"] = Fitted(
             new_peak, f"the {dtype} peak that, with the {primary} efficiency model (gemm_efficiency {eff:.3g}, "
-                      f"gemm_half_dim {half:.3g}), predicts {len(fit_d)} {dtype} GEMM shapes of ledger {ledger} "
+                      f"gemm_half_dim {half:.3g}{'' if half_k is None else f', gemm_half_dim_k {half_k:.3g}'}), predicts {len(fit_d)} {dtype} GEMM shapes of ledger {ledger} "
                       f"(base profile: {base_peak:.4g}); one efficiency model per profile, so the dtype's speed is in its peak")
         system = with_fields(system, device={f"peak_flops_{dtype}": new_peak})
         dev = system.device

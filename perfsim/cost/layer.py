@@ -7,7 +7,8 @@ norm/dropout/residual tensors (1 in 1d, t with sequence parallelism, P in 2d/2.5
 Every function takes numbers or numpy arrays.
 
 Backward: each GEMM becomes two GEMMs of the same size (data and weight gradient), twice the
-forward time, since the efficiency model is symmetric in (m, n, k). Each element-wise op reads
+forward time where the efficiency model is symmetric in (m, n, k) (no gemm_half_dim_k, no
+measured table; otherwise each at its own shape, gemm_pass_times). Each element-wise op reads
 its saved input and the incoming gradient and writes the outgoing gradient: three tensor passes
 where its forward made two (read, write), so 1.5 times the forward bytes.
 
@@ -90,9 +91,13 @@ class Work:
 
 
 def gemm_efficiency(device: Device, m, n, k):
-    """Fraction of peak: the best case, reduced by each dimension d as d / (d + half_dim)."""
+    """Fraction of peak: the best case, reduced by each dimension d as d / (d + half_dim); the
+    reduction dimension k by its own gemm_half_dim_k where the profile has one (docs/equations.md
+    3.1: an output tile's k-loop amortises its prologue and epilogue, which m and n do not)."""
     half = device.gemm_half_dim
-    return device.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    # `is None`, not `or`: under draws of a profile's ranges these numbers are arrays
+    half_k = half if device.gemm_half_dim_k is None else device.gemm_half_dim_k
+    return device.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half_k))
 
 
 def gemm_curve_time(device: Device, peak_flops: float, count, m, n, k):
@@ -142,11 +147,12 @@ def backward_gemms(g: Gemm) -> tuple:
 def gemm_pass_times(device: Device, peak_flops: float, g: Gemm, fp8=0) -> tuple:
     """(forward seconds, its curve share, seconds of the first and of the second backward product
     (backward_gemms), their curve share), at gemm_rate's device and peak. The parametric curve is
-    symmetric in m, n and k, so without a measured table each backward product takes the
-    forward's time; with one, each is looked up at its own shape."""
+    symmetric in m, n and k without gemm_half_dim_k, so without it and without a measured table
+    each backward product takes the forward's time; otherwise each is timed at its own shape."""
     rate = gemm_rate(device, peak_flops, g, fp8)
     forward, share = gemm_time_and_share(*rate, g)
-    if measured.find_table(device.measured, measured.GEMM, device.kernel_dtype) is None:
+    if (measured.find_table(device.measured, measured.GEMM, device.kernel_dtype) is None
+            and device.gemm_half_dim_k is None):
         return forward, share, forward, forward, share
     (first, first_share), (second, second_share) = (gemm_time_and_share(*rate, b) for b in backward_gemms(g))
     return forward, share, first, second, (first * first_share + second * second_share) / (first + second)

@@ -56,6 +56,9 @@ class Device:
     # efficiency: FP8 GEMMs follow the bf16 GEMM efficiency model (docs/equations.md 3.11).
     peak_flops_fp8: float | None = None
     fp8_gemm_efficiency: float | None = None
+    # Optional half-dimension of the reduction dimension k in the GEMM efficiency model
+    # (perfsim.cost.layer.gemm_efficiency, docs/equations.md 3.1); None: gemm_half_dim, as m and n.
+    gemm_half_dim_k: float | None = None
     # Optional typical times of the calibration's reference kernels (validate.microbench.References:
     # a fixed GEMM and LayerNorm per device kind), at which `perfsim validate`'s speed probes judge
     # whether a step's machine ran at the profile's speed (validate.speed_probe).
@@ -276,7 +279,7 @@ _COUNT = ("int", 1, INF, True)
 _RULES = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
-                                 "flash_backward_efficiency", "flash_score_s", "peak_flops_fp8", "fp8_gemm_efficiency", "measured", "kernel_dtype",
+                                 "flash_backward_efficiency", "flash_score_s", "peak_flops_fp8", "fp8_gemm_efficiency", "gemm_half_dim_k", "measured", "kernel_dtype",
                                  "speed_reference_gemm_s", "speed_reference_norm_s", "sm_count",
                                  "sustained_clock_ratio", "unattributed_at_scale_ratio", "flash_dropout_forward_ratio",
                                  "flash_dropout_backward_ratio")}
@@ -306,7 +309,7 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
              "collectives": {"overlap_efficiency": _FRACTION},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "flash_score_s": _NONNEG,
-                        "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION,
+                        "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION, "gemm_half_dim_k": _POSITIVE,
                         "speed_reference_gemm_s": _POSITIVE, "speed_reference_norm_s": _POSITIVE,
                         "sm_count": _COUNT, "sustained_clock_ratio": _FRACTION, "unattributed_at_scale_ratio": _FRACTION,
                         "flash_dropout_forward_ratio": _FRACTION, "flash_dropout_backward_ratio": _FRACTION}}

@@ -26,7 +26,7 @@ FASTER_WHEN_HIGHER = {
                      "network_efficiency", "operation_efficiency", "overlap_efficiency", "zero3_overlap",
                      "sm_count", "sustained_clock_ratio", "unattributed_at_scale_ratio", "flash_dropout_forward_ratio",
                      "flash_dropout_backward_ratio"), True),
-    **dict.fromkeys(("gemm_half_dim", "kernel_overhead_s", "card_link_latency_s", "node_link_latency_s", "latency_s",
+    **dict.fromkeys(("gemm_half_dim", "gemm_half_dim_k", "kernel_overhead_s", "card_link_latency_s", "node_link_latency_s", "latency_s",
                      "oversubscription", "operation_latency_factor", "operation_step_overhead_s",
                      "reserved_memory_bytes", "allocator_overhead_fraction", "step_overhead_s", "tp_layer_overhead_s",
                      "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies",
