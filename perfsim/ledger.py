@@ -23,6 +23,9 @@ from perfsim.files import MAX_LEDGER_BYTES, open_input
 
 LEDGER_SCHEMA = 1
 SUITES = ("gemm", "memory", "attention", "collective", "tp_overhead")
+# Collectives a ledger holds beside the profile's operations: expert parallelism's all-to-all
+# (validate.microbench.EXPERT_COLLECTIVES), priced by perfsim.cost.experts, checked by calibrate
+EXPERT_OPERATIONS = ("all_to_all",)
 STEP_SUITE = "step"
 MAX_LINE_BYTES = 2**20  # a record is about a kilobyte
 LARGEST_SIZE = 2**40  # a shape dimension or byte count above this is not a measurement
@@ -198,7 +201,7 @@ def calibration_problem(record) -> str | None:
     if suite == "collective":
         from perfsim.spec.system import OPERATIONS
 
-        if record["op"] not in OPERATIONS:
+        if record["op"] not in OPERATIONS + EXPERT_OPERATIONS:
             return f"has unknown collective op {record['op']!r}"
         if not _whole(record.get("nbytes")):
             return "has no nbytes"

@@ -122,3 +122,51 @@ def test_a_wrong_all_to_all_backward_is_caught(tmp_path_factory):
     for rank in data["cases"][0]["ranks"]:
         assert rank["loss"] == pytest.approx(rank["reference_loss"], rel=LOSS_RTOL)
         assert rank["grad_max_abs_error"] > 1e-4
+
+
+MOE_PLAN_MODEL = ("layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+                  "learned_positions=false,seq=32,vocab=512,tied_embeddings=false,dropout=false,"
+                  "experts=4,topk=2,expert_ffn=32,shared_expert_ffn=64")
+
+
+def test_a_calibration_of_an_expert_parallel_plan_measures_its_all_to_all_and_expert_gemms():
+    """perfsim calibrate asked about an EP plan measures all-to-alls over its EP groups (the plan's
+    own dispatch size and the sweep) and the router's, shared and routed experts' GEMMs; a dense
+    plan measures none of them."""
+    from perfsim.spec.plan import Plan
+    from validate import microbench as mb
+
+    if "ep" not in Plan.__dataclass_fields__:
+        pytest.skip("a perfsim without expert parallelism")
+    model = load_model(MOE_PLAN_MODEL)
+    sweep = mb.default_sweep("cpu", quick=True)
+    points = mb.build_points("cpu", ("bf16",), model, Plan(dp=4, ep=2, mbs=2, gbs=8), 4, 4, sweep,
+                             ("gemm", "collective"))
+    a2a = [p for p in points if p.op == "all_to_all"]
+    assert {p.group for p in a2a} == {(2, 1)}
+    own = 2 * 32 * 2 * 64 * 2  # mbs x seq tokens, topk copies of hidden bf16 elements
+    assert sorted(p.dims["nbytes"] for p in a2a) == sorted(set(sweep.collective_bytes) | {own})
+    assert [p.dims["nbytes"] for p in a2a if p.origin == "plan"] == [own]
+    gemms = {(p.dims["m"], p.dims["n"], p.dims["k"]) for p in points if p.suite == "gemm" and p.origin == "plan"}
+    # the router; one expert's FC1 (SwiGLU) and FC2 on its 64 copies (128 a rank receives, 2 local experts)
+    assert {(64, 4, 64), (64, 64, 64), (64, 64, 32)} <= gemms
+    dense = mb.build_points("cpu", ("bf16",), load_model(MOE_PLAN_MODEL.split(",experts=")[0]),
+                            Plan(dp=4, mbs=2, gbs=8), 4, 4, sweep, ("gemm", "collective"))
+    assert not [p for p in dense if p.op == "all_to_all"]
+
+
+def test_the_fit_checks_all_to_all_points_against_perfsims_price_without_fitting_them():
+    from perfsim.calibrate.collectives import all_to_all_check
+    from perfsim.ledger import calibration_problem
+    from perfsim.spec.system import load_system
+
+    experts = pytest.importorskip("perfsim.cost.experts")
+    system = load_system("cpu-example")
+    records = [{"suite": "collective", "op": "all_to_all", "dtype": "bf16", "group": [2, 1], "nbytes": n,
+                "shape": {"nbytes": n}, "key": f"k{n}", "_t": float(experts.all_to_all_time(system, n, 2, 1))}
+               for n in (1 << 12, 1 << 16, 1 << 20, 3 << 18)]
+    (row,) = all_to_all_check(records, system)
+    assert row.fit_mape + (0 if row.held_points == 0 else row.held_mape) == pytest.approx(0.0, abs=1e-12)
+    assert row.fit_points + row.held_points == 4
+    assert calibration_problem(dict(records[0], stats={"min_s": 1e-3, "median_s": 1e-3, "mean_s": 1e-3},
+                                    key="collective:x", timing="interleaved", schema=1)) is None

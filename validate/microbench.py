@@ -66,6 +66,10 @@ TRAFFIC = {"copy": (2, 0), "triad": (3, 0), **KIND_TRAFFIC}
 # perfsim's memory ops and the benchmark op (the kind) that stands for each.
 PERFSIM_MEMORY_OPS = dict(OP_KINDS)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
+# Expert parallelism's dispatch and combine (validate.moe): measured for plans with ep > 1, over
+# their EP groups (plan_expert_groups), nbytes the buffer each rank sends in all (its own share
+# included, equal splits), perfsim.cost.experts.all_to_all_time's convention
+EXPERT_COLLECTIVES = ("all_to_all",)
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_MAX_BYTES = 256 * MIB
 
@@ -204,18 +208,33 @@ def _human_bytes(n: int) -> str:
 
 def plan_gemms(model: ModelSpec, plan: Plan) -> list:
     """The distinct GEMMs of one layer and of the logits head on one device, as perfsim's cost
-    model issues them: (name, count, m, n, k) with whole numbers."""
+    model issues them, and a MoE layer's (_moe_gemms): (name, count, m, n, k) with whole numbers."""
     c = columns_of(plan)
     layout = tpc.layout_of(model, c)
     b = plan.mbs / plan.cp  # a context-parallel rank works on mbs/cp sequences' worth (perfsim.cost.stage)
     gemms = tpc.layer_gemms(layout, model, b, plan.cp)
     gemms.append(tpc.head_gemm(layout, model, b, model.padded_vocab(plan.tp)))
+    gemms += _moe_gemms(model, c)
     out = []
     for g in gemms:
         dims = [float(g.count), float(g.m), float(g.n), float(g.k)]
         if all(d >= 1 and d == int(d) for d in dims):
             out.append((g.name, *(int(d) for d in dims)))
     return out
+
+
+def _moe_gemms(model: ModelSpec, c) -> list:
+    """A model with experts: its router's and shared experts' GEMMs and one member of each grouped
+    GEMM of the routed experts (count 1: a grouped GEMM runs one GEMM per local expert), as
+    perfsim.cost.experts prices them; none for a dense model or a perfsim without experts."""
+    if not getattr(model, "moe", False):
+        return []
+    try:
+        from perfsim.cost import experts
+    except ImportError:
+        return []
+    grouped = [Gemm(g.name, 1, g.m, g.n, g.k) for g in experts.expert_gemms(model, c)]
+    return [experts.router_gemm(model, c), *experts.shared_expert_gemms(model, c), *grouped]
 
 
 def plan_memory_ops(model: ModelSpec, plan: Plan) -> list:
@@ -268,6 +287,26 @@ def plan_group_shapes(model: ModelSpec, plan: Plan) -> list:
     if plan.cp > 1 and plan.dp > 1:  # gradients are reduced over data- and context-parallel ranks together
         shapes.append((int(plan.dp * plan.cp), int(np.asarray(strides["dp_cp"]).item())))
     return shapes
+
+
+def plan_expert_groups(model: ModelSpec, plan: Plan) -> list:
+    """(size, stride) of the plan's expert-parallel groups: ep ranks, etp apart (Megatron-Core's
+    expert rank order tp-ep-dp; etp 0 is the attention's tp); none without experts or with ep 1."""
+    ep = getattr(plan, "ep", 1)
+    if ep <= 1 or not getattr(model, "moe", False):
+        return []
+    return [(int(ep), int(getattr(plan, "etp", 0) or plan.tp))]
+
+
+def plan_all_to_all_bytes(model: ModelSpec, plan: Plan) -> int | None:
+    """Bytes one rank's dispatch all-to-all holds in all (bf16 tokens, its own share included) for
+    the plan, from perfsim (None where perfsim does not price experts)."""
+    try:
+        from perfsim.cost.experts import dispatched_tokens
+    except ImportError:
+        return None
+    copies = float(dispatched_tokens(model, columns_of(plan)))
+    return int(round(copies)) * model.hidden * DTYPE_BYTES["bf16"] if copies >= 1 else None
 
 
 def group_shapes(model: ModelSpec, plan: Plan, world: int, ranks_per_node: int) -> list:
@@ -409,6 +448,18 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                     for nbytes in sweep.collective_bytes:
                         add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
                                   timing=COLLECTIVE_TIMING))
+        for size, stride in plan_expert_groups(model, plan):
+            if size > world or world % (size * stride):
+                continue
+            dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]  # the tokens a step sends
+            own = plan_all_to_all_bytes(model, plan)
+            for op in EXPERT_COLLECTIVES:
+                if own is not None and own <= 4 * max(sweep.collective_bytes):
+                    add(Point("collective", op, dtype, _shape(nbytes=own), group=(size, stride), origin="plan",
+                              timing=COLLECTIVE_TIMING))
+                for nbytes in sweep.collective_bytes:
+                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                              timing=COLLECTIVE_TIMING))
         dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for size, stride in group_shapes(model, plan, world, ranks_per_node):
             for op in CONCURRENT_OPS:
@@ -848,6 +899,10 @@ class Communicator:
         if op == "reduce":
             x = torch.ones(elements, dtype=dt, device=dev)
             return lambda: dist.reduce(x, dst=members[0], group=group)
+        if op == "all_to_all":  # every member sends elements / g to each member (itself included)
+            x = torch.ones(elements, dtype=dt, device=dev)
+            out = torch.empty(elements, dtype=dt, device=dev)
+            return lambda: _works(dist.all_to_all_single(out, x, group=group, async_op=async_op))
         if op == "send":  # a chain: member j sends to j + 1 while receiving from j - 1, all at once
             x = torch.ones(elements, dtype=dt, device=dev)
             y = torch.empty(elements, dtype=dt, device=dev)

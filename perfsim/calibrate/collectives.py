@@ -216,9 +216,31 @@ def _step_overheads(fit) -> dict:
     return out
 
 
+def all_to_all_check(records, system) -> list:
+    """The all-to-all points (expert parallelism's dispatch, validate.microbench.EXPERT_COLLECTIVES)
+    against perfsim.cost.experts.all_to_all_time on the profile fitted from the other collectives:
+    a check, nothing fitted (the all-to-all is priced from the link classes alone)."""
+    rows = [r for r in records if r["op"] == "all_to_all" and r.get("group") and r["group"][0] > 1]
+    if not rows:
+        return []
+    try:
+        from perfsim.cost.experts import all_to_all_time
+    except ImportError:  # a perfsim without experts
+        return []
+
+    fit, held = split_held_out(rows, "collective", ("all_to_all",))
+    predict = lambda rs: np.array([float(all_to_all_time(system, r["nbytes"], r["group"][0], r["group"][1]))  # noqa: E731
+                                   for r in rs])
+    return [Quality("all-to-all (perfsim.cost.experts on the fitted links; not fitted)",
+                    mape(predict(fit), measured_times(fit)) if fit else float("nan"), len(fit),
+                    mape(predict(held), measured_times(held)) if held else float("nan"), len(held))]
+
+
 def fit_collectives(records, system, ledger):
     from perfsim.cost.topology import clear_caches
 
+    a2a = [r for r in records if r["op"] == "all_to_all"]
+    records = [r for r in records if r["op"] != "all_to_all"]  # priced by perfsim.cost.experts: checked after
     values, quality, notes = {}, [], []
     fit, held = split_held_out(records, "collective")
     if len(fit) < 2:
@@ -328,4 +350,5 @@ def fit_collectives(records, system, ledger):
                                       + f", {where}")
     system = with_values(system, values)
     clear_caches()
+    quality += all_to_all_check(a2a, system)
     return values, quality, notes, system

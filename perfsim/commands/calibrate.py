@@ -27,6 +27,9 @@ DEFAULT_DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16",), "xpu": ("bf16",)}
 DTYPES = ("fp32", "bf16", "fp16")
 # the plan fields that decide which kernel shapes, tensor sizes and groups a campaign measures
 PLAN_KEYS = ("tp", "tp_mode", "tp_depth", "sp", "cp", "pp", "mbs", "order", "tp_axes")
+# expert parallelism's: its all-to-all groups are measured (validate.microbench); from --plans kept
+# only where they differ from a dense plan's, so a dense campaign's plan reads as before
+EXPERT_PLAN_KEYS = {"ep": 1, "etp": 0}
 # what --suites may name: the microbenchmark suites of the ledger, and "overheads", real training
 # steps of a calibration model that give the framework overheads (perfsim.calibrate.overheads)
 OVERHEADS = "overheads"
@@ -135,6 +138,9 @@ def register(subparsers) -> None:
     w.add_argument("--mbs", type=_positive)
     w.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
     w.add_argument("--tp-axes", dest="tp_axes")
+    w.add_argument("--ep", type=_positive, help="expert-parallel size of a model with experts: its all-to-all groups "
+                                                "are measured too (default 1)")
+    w.add_argument("--etp", type=_positive, help="tensor parallelism inside the experts (default: --tp)")
     w.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists (as perfsim validate --plans), e.g. "
                                    "'tp=2,mbs=2;pp=2,mbs=2;cp=2': measure the kernel shapes, sizes and groups of each, "
                                    "one campaign per plan into the same ledger (what they share is measured once); "
@@ -169,7 +175,8 @@ def _options(args, world: int, ranks_per_node: int, given: dict | None = None):
 
     device = args.device
     model = args.model or DEFAULT_MODEL[device]
-    plan = dict(given) if given is not None else {k: getattr(args, k) for k in PLAN_KEYS if getattr(args, k) is not None}
+    plan = dict(given) if given is not None else {k: getattr(args, k) for k in PLAN_KEYS + tuple(EXPERT_PLAN_KEYS)
+                                                  if getattr(args, k, None) is not None}
     if "tp" not in plan:
         plan["tp"] = _default_tp(model, ranks_per_node, plan.get("tp_mode", "1d"))
     tp, cp, pp = plan["tp"], plan.get("cp", 1), plan.get("pp", 1)
@@ -193,7 +200,7 @@ def _given_plans(args) -> list:
     [None]: the plan flags."""
     if not getattr(args, "plans", None):
         return [None]
-    given = [k for k in PLAN_KEYS if getattr(args, k) is not None]
+    given = [k for k in PLAN_KEYS + tuple(EXPERT_PLAN_KEYS) if getattr(args, k, None) is not None]
     if given:
         raise PerfsimError(f"give either --plans or plan flags (--{given[0].replace('_', '-')}, ...), not both")
     from validate.timing import parse_plans
@@ -202,6 +209,7 @@ def _given_plans(args) -> list:
     for plan in parse_plans(args.plans):
         fields = plan.as_dict()
         kept = {k: fields[k] for k in PLAN_KEYS if k in fields}
+        kept.update({k: fields[k] for k, dense in EXPERT_PLAN_KEYS.items() if fields.get(k, dense) != dense})
         if kept not in out:  # plans that differ only in what changes no kernel (recompute, ZeRO, ...) measure alike
             out.append(kept)
     return out
