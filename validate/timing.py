@@ -133,7 +133,7 @@ HARNESS_REVISION = 2
 # plan at that value keys as before the field existed, so a ledger's points are still found.
 LATER_PLAN_FIELDS = {"attention": "unfused", "dp_overlap": False, "tp_overlap": False, "cp": 1,
                      "first_stage_layers": 0, "last_stage_layers": 0, "pp_layout": "",
-                     "ep": 1, "etp": 0, "moe_dispatcher": "alltoall"}
+                     "ep": 1, "etp": 0, "moe_dispatcher": "alltoall", "ep_overlap": False}
 
 
 def harness_problems(plan, model=None) -> list:
@@ -147,8 +147,8 @@ def harness_problems(plan, model=None) -> list:
         from validate.expert_parallel import step_problems
 
         problems += step_problems(plan, model)
-    for knob in ("dp_overlap", "tp_overlap"):
-        if getattr(plan, knob):
+    for knob in ("dp_overlap", "tp_overlap", "ep_overlap"):
+        if getattr(plan, knob, False):
             problems.append(f"the harness issues its collectives between the computations; leave {knob} off")
     if getattr(plan, "first_stage_layers", 0) or getattr(plan, "last_stage_layers", 0) or getattr(plan, "pp_layout", ""):
         problems.append("the harness's pipeline splits the layers evenly over its stages; leave first_stage_layers, "
