@@ -104,6 +104,25 @@ def test_flops_bytes_and_saved_activations_equal_the_count(results):
 
 
 @pytest.mark.multiprocess
+def test_flops_all_to_all_bytes_and_saved_activations_equal_perfsims(results):
+    """Against perfsim (perfsim.predict, perfsim.cost.experts), balanced routing, every rank:
+    FLOPs exactly; the all-to-all bytes and one MoE layer's saved bytes exactly up to the named
+    differences (validate.moe_check.named_differences: the probabilities' all-to-all, and what
+    Megatron-Core 0.13 keeps for backward where perfsim prices the layer before it)."""
+    for case, rank in each_rank(results):
+        name, theirs, named = case["case"], rank["perfsim"], rank["named_differences"]
+        if case["routing"] != "balanced":
+            continue
+        if theirs is None:
+            pytest.skip("a perfsim without experts (perfsim.cost.experts)")
+        assert rank["flops"] == theirs["flops"], name
+        assert rank["sent_bytes_by_kind"].get("all_to_all", 0) == theirs["all_to_all_bytes"] + named["all_to_all_bytes"], name
+        assert rank["moe_layer_saved_bytes"] == theirs["moe_layer_saved_bytes"] + named["moe_layer_saved_bytes"], name
+        if case["plan"]["ep"] > 1 and case["plan"]["moe_dispatcher"] == "alltoall":
+            assert theirs["all_to_all_bytes"] > 0 and named["all_to_all_bytes"] < theirs["all_to_all_bytes"] / 30, name
+
+
+@pytest.mark.multiprocess
 def test_top_k_routing_runs_uneven_splits(results):
     """Top-k routing: the ranks' experts get different numbers of rows (their FLOPs differ; at 2
     ranks each sends in all what the other sends, its dispatch being the other's combine), and

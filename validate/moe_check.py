@@ -13,7 +13,8 @@ recording:
 - matrix FLOPs it ran (LocalFlopCounter) and bytes it sent per collective kind (CollectiveCounter:
   the all-to-alls, the gradient all-reduces) against `hand_count`, the harness's own count written
   out from the shapes (module doc of validate.moe), and against perfsim's where perfsim prices
-  experts (perfsim.cost.experts);
+  experts (`perfsim_count`: perfsim.predict and perfsim.cost.experts), with `named_differences`,
+  what the harness runs as Megatron-Core does and perfsim prices otherwise, each by its formula;
 - the bytes one MoE layer keeps for backward (SavedBytes around that layer's forward alone) against
   the hand count.
 
@@ -30,10 +31,11 @@ MODEL = ("layers=3,hidden=32,heads=4,kv_heads=2,ffn=64,activation=swiglu,norm=rm
          "learned_positions=false,tied_embeddings=false,dropout=false,seq=16,vocab=256,"
          "experts=8,topk=2,expert_ffn=16,shared_expert_ffn=32,dense_layers=1")
 MBS, MICROBATCHES = 2, 2
+SYSTEM = "cpu-example"
 
 CASES = {
     2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2"],
-    4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk", "ep4-dp4-allgather"],
+    4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk"],
 }
 
 
@@ -125,13 +127,51 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
     return {"flops": flops, "all_to_all_bytes": bytes_a2a, "all_reduce_bytes": reduce, "moe_layer_saved_bytes": saved}
 
 
-def perfsim_count(model, plan) -> dict | None:
-    """perfsim's per-layer figures for the plan where perfsim prices experts, else None."""
+def perfsim_count(model, plan, element_bytes: int) -> dict | None:
+    """perfsim's figures for one rank of the plan, where perfsim prices experts (else None): the
+    step's FLOPs (hardware, over the ranks), the bytes its all-to-alls send (dispatch and combine,
+    forward and backward, every MoE layer and micro-batch; perfsim.cost.experts.alltoall_bytes_sent)
+    and what one MoE layer keeps (perfsim.cost.experts.saved_activation_bytes), at `element_bytes`
+    an element as the run."""
     try:
-        from perfsim.cost import experts  # noqa: F401
+        from perfsim.cost import experts
     except ImportError:
         return None
-    return None
+    from perfsim.cost.columns import columns_of
+    from perfsim.predict import predict
+    from perfsim.spec.system import load_system
+
+    c = columns_of(plan)
+    layers = model.layers - model.dense_layers
+    sent = float(experts.alltoall_bytes_sent(model, c, element=element_bytes)) if plan.moe_dispatcher == "alltoall" else 0.0
+    return {"flops": predict(model, load_system(SYSTEM), plan, "fp32").hardware_flops_per_step / plan.devices,
+            "all_to_all_bytes": 2 * 2 * sent * layers * plan.microbatches,
+            "moe_layer_saved_bytes": float(experts.saved_activation_bytes(model, c, element=element_bytes))}
+
+
+def named_differences(model, plan, element_bytes: int) -> dict:
+    """What the harness (Megatron-Core as of 0.13, 2025) does that perfsim.cost.experts prices
+    otherwise, each by its formula, harness less perfsim, for one rank of a balanced step:
+
+    - all_to_all_bytes: the routing probabilities ride an all-to-all of their own beside the tokens
+      (MoEAlltoAllTokenDispatcher.token_dispatch's global_probs), forward and back: 2 x the copies
+      sent x an element, per MoE layer and micro-batch; perfsim sends the tokens alone.
+    - moe_layer_saved_bytes (one layer's forward alone): + the router's input (perfsim counts it
+      in the dense region, as the norm's output); + the top-k softmax's fp32 output [T, k] (the
+      harness's softmax runs over the k chosen logits, moe_router_pre_softmax off, and no
+      auxiliary loss); + the probability of each copy kept by the weighted SwiGLU (since
+      Megatron-Core 0.13's memory-efficient permutation the probabilities are applied in the
+      experts' activation); - perfsim's fp32 probabilities over every expert [T, E]; - its fp32
+      top-k scores and int64 indices per copy (the harness keeps the indices, integer storages
+      SavedBytes counts apart); - its experts' outputs kept for the unpermutation's weighting by
+      the probabilities (Megatron-Core before 0.13)."""
+    e, h, k = element_bytes, model.hidden, model.topk
+    t = plan.mbs * model.seq
+    copies = t * k  # sent by a rank, and (balanced) received by its local experts
+    sent = copies * (plan.ep - 1) // plan.ep if plan.moe_dispatcher == "alltoall" else 0
+    layers = model.layers - model.dense_layers
+    saved = t * h * e + 4 * t * k + e * copies - 4 * t * model.experts - (4 + 8) * copies - e * h * copies
+    return {"all_to_all_bytes": 2 * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
 
 
 def run_case(torch, dist, model_spec: str, name: str) -> dict:
@@ -190,12 +230,14 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     dense = sum(p.numel() for n, p in step.module.named_parameters() if not is_expert_parameter(n))
     expert = sum(p.numel() for n, p in step.module.named_parameters() if is_expert_parameter(n))
     sent = comms.by_kind()
+    balanced = case_routing(name) == "balanced"
     return {"rank": rank, "loss": float(every_loss) / plan.dp, "reference_loss": ref_loss,
             "grad_max_abs_error": worst, "grad_max_abs": largest,
             "flops": flops.total(), "sent_bytes_by_kind": sent,
             "moe_layer_saved_bytes": kept.peak,
-            "hand": hand_count(model, plan, 4, dense, expert) if case_routing(name) == "balanced" else None,
-            "perfsim": perfsim_count(model, plan)}
+            "hand": hand_count(model, plan, 4, dense, expert) if balanced else None,
+            "perfsim": perfsim_count(model, plan, 4) if balanced else None,
+            "named_differences": named_differences(model, plan, 4) if balanced else None}
 
 
 def main(argv=None) -> int:
