@@ -87,8 +87,14 @@ def _unique_rows(coordinates: list) -> tuple:
     rows = np.log2(np.stack([a.ravel() for a in arrays], axis=1))
     if rows.shape[0] == 1:
         return rows, np.zeros(1, int), shape
-    unique, inverse = np.unique(rows, axis=0, return_inverse=True)
-    return unique, inverse.ravel(), shape
+    # each column's distinct values, their codes joined into one whole-number key a row: sorting
+    # whole numbers is far quicker than np.unique(axis=0)'s sort of rows (same rows, same answer)
+    key = np.zeros(rows.shape[0], np.int64)
+    for column in rows.T:
+        values, codes = np.unique(column, return_inverse=True)
+        key = key * len(values) + codes.ravel()
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return rows[first], inverse.ravel(), shape
 
 
 def correction(table: KernelTable, coordinates: list, curve_at_points) -> tuple:
