@@ -122,11 +122,23 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
     g.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="1d + SP: pipeline the all-gathers and reduce-scatters with their GEMMs "
                         "(default: the profile's framework.tp_overlap where the plan has --sp)")
+    g.add_argument("--ep", type=_positive, help="expert parallelism: ranks sharing each MoE layer's routed experts "
+                   "(default 1; etp x ep must divide tp x cp x dp: Megatron-Core's parallel folding)")
+    g.add_argument("--etp", type=_positive, help="tensor parallelism inside each expert (default: --tp, as Megatron-Core)")
+    g.add_argument("--moe-dispatcher", dest="moe_dispatcher", choices=("alltoall", "allgather"),
+                   help="how tokens reach their experts: all-to-all over the EP group, or all-gather and "
+                        "reduce-scatter over ETP x EP (default alltoall)")
+    g.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap one micro-batch's all-to-alls with another's compute (Megatron-Core's "
+                        "--overlap-moe-expert-parallel-comm; default off)")
+    g.add_argument("--moe-balanced", dest="moe_balanced", action="store_true", default=None,
+                   help="routing forced to balance every expert's tokens (Megatron-Core's "
+                        "--moe-router-force-load-balancing, as benchmarks run): moe.imbalance 1 instead of the profile's")
 
 
 PLAN_FLAGS = ("tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order",
               "tp_axes", "tp_regather", "attention", "dp_overlap", "tp_overlap", "cp", "first_stage_layers",
-              "last_stage_layers", "pp_layout")
+              "last_stage_layers", "pp_layout", "ep", "etp", "moe_dispatcher", "ep_overlap")
 
 
 def is_builtin(args) -> bool:
@@ -139,8 +151,12 @@ def load_case(args) -> tuple:
     from perfsim.spec.model import load_model
     from perfsim.spec.system import load_system
 
-    return (load_model(BUILTIN_CASE["model"] if args.model is None else args.model),
-            load_system(BUILTIN_CASE["system"] if args.system is None else args.system))
+    system = load_system(BUILTIN_CASE["system"] if args.system is None else args.system)
+    if getattr(args, "moe_balanced", None):  # forced-balanced routing (--moe-balanced): no expert rank waits
+        from perfsim.spec.system import forced_balance
+
+        system = forced_balance(system)
+    return load_model(BUILTIN_CASE["model"] if args.model is None else args.model), system
 
 
 def plan_flags_given(args) -> dict:

@@ -10,6 +10,8 @@ with full recomputation and no sequence parallelism, as in the paper.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from perfsim.predict import Prediction, predict
 from perfsim.published import (H100_PEAK, H100_SEQ, H100_VOCAB, MEGATRON_H100_STRONG_177B, MEGATRON_H100_WEAK,
                                SC21_TABLE1, H100Row, Sc21Row)
@@ -376,3 +378,95 @@ if __name__ == "__main__":
     print(smng_tp_markdown(smng_tp_modes()))
     print("\n## Megatron-LM on H100 (dgx-h100)\n")
     print(h100_markdown(h100_table(), h100_strong()))
+    print("\n## Mixture of experts on H100: Megatron-Bridge (dgx-h100)\n")
+    print(moe_markdown(moe_table()))
+
+
+# --- Mixture of experts on H100: NVIDIA Megatron-Bridge's tables (published.md section 7) ---
+@dataclass(frozen=True)
+class MoeRow:
+    release: str
+    model: str  # a preset
+    gpus: int
+    dtype: str  # bf16, or fp8 (FP8 with current scaling; perfsim prices FP8's GEMMs and casts alike)
+    gbs: int
+    mbs: int
+    tp: int
+    pp: int
+    cp: int
+    vpp: int
+    ep: int
+    tokens_per_gpu_s: float
+    model_tflops: float
+    ep_overlap: bool = False  # the recipe's moe_a2a_overlap (scripts/performance/configs)
+
+    @property
+    def step_s(self) -> float:
+        """The step time the published throughput stands for: global batch x seq / (tokens/s/GPU x GPUs)."""
+        return self.gbs * MOE_SEQ / (self.tokens_per_gpu_s * self.gpus)
+
+
+MOE_SEQ = 4096
+MOE_H100 = (
+    MoeRow("26.02", "gpt-oss-120b", 64, "bf16", 1280, 1, 1, 4, 1, 1, 8, 5993, 163),
+    MoeRow("26.02", "qwen3-30b-a3b", 16, "fp8", 1024, 1, 1, 2, 1, 12, 8, 5113, 118),
+    MoeRow("26.02", "qwen3-235b-a22b", 256, "fp8", 8192, 1, 2, 8, 1, 4, 32, 1633, 242, ep_overlap=True),
+    MoeRow("25.11", "gpt-oss-120b", 64, "bf16", 512, 4, 1, 4, 1, 1, 8, 5630, 153),
+    MoeRow("25.11", "qwen3-30b-a3b", 16, "fp8", 512, 2, 1, 2, 1, 24, 8, 5275, 121),
+    MoeRow("25.11", "qwen3-235b-a22b", 256, "fp8", 2048, 1, 2, 8, 1, 4, 32, 1575, 233, ep_overlap=True),
+)
+# What the page and the recipes state beside each row's sizes: Megatron's DDP with the distributed
+# optimizer ("FSDP 0": ZeRO-1), fused attention, the all-to-all dispatcher (moe_token_dispatcher_type),
+# 1d tensor parallelism (with SP where tp > 1, as Megatron-Core requires of MoE). What they do not
+# (recomputation: perfsim's none, selective or full for the recipes' recompute_modules; ETP, 1 or
+# tp) perfsim search chooses; forced-balanced routing (moe.imbalance 1), as the page says.
+MOE_STATED = {"tp_mode": {"1d"}, "zero": {1}, "attention": {"flash"}, "moe_dispatcher": {"alltoall"},
+              "dp_overlap": {True}}
+
+
+def moe_fixes(row: MoeRow, model: ModelSpec) -> dict:
+    """The --fix values of a row: its sizes and MOE_STATED; a layer count that pp x vpp does not
+    divide (Qwen3 235B's 94 on 8 x 4) split as Megatron-Core's --account-for-embedding/loss-in-
+    pipeline-split do, (layers + 2) / pp - 1 on each end stage."""
+    fixes = dict(MOE_STATED, tp={row.tp}, pp={row.pp}, cp={row.cp}, vpp={row.vpp}, ep={row.ep}, mbs={row.mbs},
+                 dp={row.gpus // (row.tp * row.pp * row.cp)}, ep_overlap={row.ep_overlap})
+    if model.layers % (row.pp * row.vpp):
+        end = (model.layers + 2) // row.pp - 1
+        fixes.update(first_stage_layers={end}, last_stage_layers={end})
+    return fixes
+
+
+def moe_best(row: MoeRow, system: System) -> Prediction:
+    """The fastest plan perfsim search finds for a row with its stated knobs fixed, routing forced
+    to balance (the page: "we force-balance the token distribution among experts")."""
+    from perfsim.search import parse_fixes, search
+    from perfsim.spec.system import forced_balance
+
+    model = load_model(row.model)
+    fixes = {k: parse_fixes([f"{k}={','.join(str(v).lower() for v in sorted(vals))}"])[k]
+             for k, vals in moe_fixes(row, model).items()}
+    return search(model, forced_balance(system), row.gpus, row.gbs, fixes, top=1, dtype=row.dtype).plans[0]
+
+
+def moe_table(system: System | None = None) -> list[tuple[MoeRow, Prediction]]:
+    system = system or load_system("dgx-h100")
+    return [(row, moe_best(row, system)) for row in MOE_H100]
+
+
+def moe_markdown(rows) -> str:
+    out = ["| release | model | GPUs | dtype | GBS | MBS | TP | PP | VP | EP | chosen ETP, recompute | predicted step | "
+           "derived step | error | compute | EP comm | bubble | memory |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    errors = []
+    for row, p in rows:
+        err = p.step_time_s / row.step_s - 1
+        errors.append(err)
+        share = {k: v / p.step_time_s for k, v in p.time_breakdown_s.items()}
+        out.append(f"| {row.release} | {row.model} | {row.gpus} | {row.dtype} | {row.gbs} | {row.mbs} | {row.tp} | "
+                   f"{row.pp} | {row.vpp} | {row.ep} | {p.plan.expert_tp}, {p.plan.recompute} | {p.step_time_s:.2f} s | "
+                   f"{row.step_s:.2f} s | {err:+.1%} | {share['compute'] + share['recompute']:.0%} | "
+                   f"{share['ep_comm']:.0%} | {share['pp_bubble']:.0%} | {p.memory_bytes['total'] / 2**30:.1f} GiB |")
+    out.append("")
+    out.append(f"- mean absolute error {sum(map(abs, errors)) / len(errors):.1%}, largest {max(map(abs, errors)):.1%}, "
+               f"mean {sum(errors) / len(errors):+.1%}")
+    return "\n".join(out)

@@ -28,14 +28,15 @@ from perfsim.cost.columns import INTERLEAVED, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate, predict
 from perfsim.spec.model import LARGEST_SIZE, ModelSpec
-from perfsim.spec.plan import (ATTENTION, DIMENSIONS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan, canonical_order,
-                               edge_chunk_layers)
+from perfsim.spec.plan import (ATTENTION, DIMENSIONS, MOE_DISPATCHERS, ORDERS, RECOMPUTE, SCHEDULES, TP_MODES, Plan,
+                               canonical_order, edge_chunk_layers)
 from perfsim.spec.system import System
 
-INT_KNOBS = ("tp", "tp_depth", "cp", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers")
-BOOL_KNOBS = ("sp", "tp_regather", "dp_overlap", "tp_overlap")
+INT_KNOBS = ("tp", "tp_depth", "cp", "pp", "vpp", "dp", "zero", "mbs", "first_stage_layers", "last_stage_layers",
+             "ep", "etp")
+BOOL_KNOBS = ("sp", "tp_regather", "dp_overlap", "tp_overlap", "ep_overlap")
 TEXT_KNOBS = {"tp_mode": TP_MODES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "order": ORDERS,
-              "attention": ATTENTION}
+              "attention": ATTENTION, "moe_dispatcher": MOE_DISPATCHERS}
 RANKINGS = ("throughput", "time-to-train", "device-hours", "memory-headroom")
 BATCH = 1 << 20  # plans evaluated per vectorised call
 MOST_CANDIDATES = 10_000_000  # before rank orders, about 100 bytes each (a 1T model on 3072 GPUs: 0.65 M)
@@ -233,11 +234,34 @@ def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[t
     return list(itertools.product(counts("first_stage_layers"), counts("last_stage_layers")))
 
 
+def _expert_layouts(model: ModelSpec, tp: int, cp: int, dp: int, fixes: dict) -> list[tuple]:
+    """(ep, etp, allgather, ep_overlap) to try beside a tp x cp x dp stage of a mixture of experts
+    (Megatron-Core's parallel folding): etp 1 or tp, every ep dividing the experts and the stage's
+    tp x cp x dp / etp ranks, both dispatchers, and the all-to-alls overlapped or not (alltoall,
+    ep > 1); a dense model's one (1, tp, 0, 0)."""
+    if not model.moe:
+        if ("ep" in fixes and 1 not in fixes["ep"]) or fixes.get("ep_overlap") == {True}:
+            raise PerfsimError(f"--fix ep and ep_overlap split a mixture of experts; {model.name} is dense (no experts)")
+        return [(1, tp, 0, 0)]
+    out = []
+    ranks = tp * cp * dp
+    for etp in allowed_values(fixes, "etp", sorted({1, tp})):
+        for ep in allowed_values(fixes, "ep", _divisors(ranks // etp) if ranks % etp == 0 else []):
+            if model.experts % ep or model.expert_ffn % etp:
+                continue
+            for dispatcher in allowed_values(fixes, "moe_dispatcher", MOE_DISPATCHERS):
+                overlaps = (False, True) if ep > 1 and dispatcher == "alltoall" else (False,)
+                for overlap in allowed_values(fixes, "ep_overlap", overlaps):
+                    out.append((ep, etp, int(dispatcher == "allgather"), int(overlap)))
+    return out
+
+
 def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode.
     Without data or context parallelism the ZeRO stage changes nothing (one replica has nothing to
     shard), so such plans come once, with the lowest stage --fix allows."""
-    zeros = allowed_values(fixes, "zero", (0, 1, 2, 3))
+    # a mixture of experts runs beside 1d TP (with SP where tp > 1) and ZeRO 0 or 1 (spec.plan)
+    zeros = allowed_values(fixes, "zero", (0, 1) if model.moe else (0, 1, 2, 3))
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
     kernels = [ATTENTION.index(a) for a in allowed_values(fixes, "attention", ATTENTION)]
     overlap = {knob: int(True in fixes.get(knob, {True})) for knob in ("dp_overlap", "tp_overlap")}
@@ -245,6 +269,8 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     by_mode: dict = {}
     count = 0
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
+        if model.moe and (mode != "1d" or (tp > 1 and not sp)):
+            continue
         for cp, pp in ((cp, pp) for cp in _context_sizes(model, mode, devices // tp, fixes)
                        for pp in allowed_values(fixes, "pp", _divisors(devices // (tp * cp)))):
             dp = devices // (tp * cp * pp)
@@ -252,22 +278,24 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
                 continue
             schedules = _schedules(model, pp, fixes)
             splits = {vpp: _pipeline_splits(model, pp, vpp, fixes) for _, vpp in schedules}
-            count += sum(len(splits[vpp]) for _, vpp in schedules) * len(mbs_all) * (len(zeros) if dp * cp > 1 else 1) * len(recomputes) * len(kernels)
+            experts = _expert_layouts(model, tp, cp, dp, fixes)
+            count += sum(len(splits[vpp]) for _, vpp in schedules) * len(mbs_all) * (len(zeros) if dp * cp > 1 else 1) \
+                * len(recomputes) * len(kernels) * len(experts)
             if count > MOST_CANDIDATES:
                 raise PerfsimError(f"the search space for {devices:,} devices and global batch {gbs:,} holds more than "
                                    f"{MOST_CANDIDATES:,} candidate plans (the most perfsim searches); narrow it with "
                                    "--fix, e.g. --fix tp=1..8 --fix mbs=1..4 --fix zero=1")
-            for (schedule, vpp), mbs in itertools.product(schedules, mbs_all):
+            for (schedule, vpp), mbs, expert in itertools.product(schedules, mbs_all, experts):
                 for first, last in splits[vpp]:
                     by_mode.setdefault(mode, []).append((tp, depth, int(sp), int(regather), pp, dp, schedule, vpp, mbs, cp,
-                                                         first, last))
+                                                         first, last) + expert)
     for mode, rows in by_mode.items():
         head = np.array(rows, dtype=float)
         inner = np.array(list(itertools.product(zeros, recomputes, kernels)), dtype=float).reshape(-1, 3)
         table = np.repeat(head, len(inner), axis=0)
         tail = np.tile(inner, (len(head), 1))
         cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs", "cp",
-                         "first_layers", "last_layers"), table.T))
+                         "first_layers", "last_layers", "ep", "etp", "allgather", "ep_overlap"), table.T))
         cols.update(zero=tail[:, 0], recompute=tail[:, 1], flash=tail[:, 2], gbs=np.full(len(table), float(gbs)),
                     dp_overlap=overlap["dp_overlap"] * (cols["dp"] * cols["cp"] > 1),
                     tp_overlap=overlap["tp_overlap"] * (cols["sp"] == 1) * (mode == "1d"))
@@ -378,7 +406,9 @@ def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
                 recompute=RECOMPUTE[int(cols["recompute"][i])], order=order, tp_regather=bool(cols["regather"][i]),
                 attention=ATTENTION[int(cols["flash"][i])], dp_overlap=bool(cols["dp_overlap"][i]),
                 tp_overlap=bool(cols["tp_overlap"][i]), cp=int(cols["cp"][i]),
-                first_stage_layers=int(cols["first_layers"][i]), last_stage_layers=int(cols["last_layers"][i]))
+                first_stage_layers=int(cols["first_layers"][i]), last_stage_layers=int(cols["last_layers"][i]),
+                ep=int(cols["ep"][i]), etp=0 if cols["etp"][i] == cols["tp"][i] else int(cols["etp"][i]),
+                moe_dispatcher=MOE_DISPATCHERS[int(cols["allgather"][i])], ep_overlap=bool(cols["ep_overlap"][i]))
 
 
 def to_columns(mode: str, order: str, cols: dict) -> Columns:
@@ -387,7 +417,8 @@ def to_columns(mode: str, order: str, cols: dict) -> Columns:
                    sp=cols["sp"], zero=cols["zero"], recompute=cols["recompute"], schedule=cols["schedule"],
                    tp_depth=cols["tp_depth"], regather=cols["regather"], flash=cols["flash"],
                    dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"], cp=cols["cp"],
-                   first_layers=cols["first_layers"], last_layers=cols["last_layers"], tp_mode=mode, order=order)
+                   first_layers=cols["first_layers"], last_layers=cols["last_layers"], ep=cols["ep"], etp=cols["etp"],
+                   allgather=cols["allgather"], ep_overlap=cols["ep_overlap"], tp_mode=mode, order=order)
 
 
 def _score(rank: str, r: dict, capacity: float):

@@ -13,7 +13,7 @@ TOP_KEYS = {
     "model_tflops_per_device", "hardware_tflops_per_device", "mfu", "hfu", "time_breakdown_s", "memory_bytes",
     "device_memory_bytes", "fits", "plan", "model", "system", "megatron_ds_tflops_per_device",
 }
-TIME_KEYS = {"compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
+TIME_KEYS = {"compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
              "synchrony"}
 MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "buffers", "total"}
 PLAN_KEYS = {"tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp", "zero", "mbs", "gbs", "recompute", "order"}

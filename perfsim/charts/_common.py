@@ -14,6 +14,7 @@ TERM_LABELS = {
     "recompute": "recomputation",
     "tp_comm": "tensor-parallel communication",
     "cp_comm": "context-parallel ring attention (not hidden)",
+    "ep_comm": "expert-parallel dispatch and combine",
     "pp_comm": "pipeline sends",
     "pp_bubble": "pipeline bubble (idle)",
     "dp_comm": "data-parallel communication (not hidden)",
@@ -21,7 +22,8 @@ TERM_LABELS = {
     "other": "framework overhead",
     "synchrony": "waiting for the slowest rank",
 }
-TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
+TERM_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b",
+                "ep_comm": "#ff9da6", "pp_comm": "#54a24b",
                 "pp_bubble": "#bab0ac", "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d",
                 "synchrony": "#72b7b2"}
 assert tuple(TERM_LABELS) == BREAKDOWN_KEYS

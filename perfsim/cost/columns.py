@@ -42,6 +42,10 @@ class Columns:
     first_layers: object = 0  # the first stage's own layer count (0: even split; stage_layer_count)
     last_layers: object = 0  # the last stage's own layer count (0: even split)
     cp: object = 1  # context parallelism: ranks sharing each sequence
+    ep: object = 1  # expert parallelism (MoE models; cost/experts.py)
+    etp: object = 0  # tensor parallelism inside the experts; 0: tp
+    allgather: object = 0  # 1: the all-gather token dispatcher, 0: the all-to-all one (plan.moe_dispatcher)
+    ep_overlap: object = 0  # 1: all-to-alls beside another micro-batch's compute (plan.ep_overlap)
     layout: object = None  # a PipelineLayout (spec/layout.py) placing every layer, one per batch; None: the counts above
     element: float = 2.0  # bytes of a weight and an activation element: 2 (bf16, fp16, fp8's bf16), 4 in fp32 (at_dtype)
     tp_mode: str = "1d"
@@ -63,6 +67,11 @@ class Columns:
         over data and context parallelism together (Megatron-Core's dp-cp group). Cached: the
         topology model remembers a batch's groups by the identity of its size arrays."""
         return self.dp * self.cp
+
+    @property
+    def expert_tp(self):
+        """Tensor parallelism inside the experts: etp, or tp where etp is 0 (Megatron-Core's default)."""
+        return np.where(np.asarray(self.etp) > 0, self.etp, self.tp)
 
     @cached_property
     def strides(self) -> dict:
@@ -102,7 +111,8 @@ def columns_of(plan: Plan) -> Columns:
                    sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
                    flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
-                   cp=float(plan.cp), tp_mode=plan.tp_mode,
+                   cp=float(plan.cp), tp_mode=plan.tp_mode, ep=float(plan.ep), etp=float(plan.etp),
+                   allgather=int(plan.moe_dispatcher == "allgather"), ep_overlap=int(plan.ep_overlap),
                    first_layers=float(plan.first_stage_layers), last_layers=float(plan.last_stage_layers),
                    order=plan.order, tp_axes=plan.tp_axes,
                    layout=parse_layout(plan.pp_layout, plan.pp) if plan.pp_layout else None)
@@ -115,7 +125,8 @@ def columns_of_many(plans: list[Plan]) -> Columns:
     arrays = {name: np.array([getattr(c, name) for c in one], dtype=float)
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
                                 "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap", "cp",
-                                "first_layers", "last_layers")}
+                                "first_layers", "last_layers", "ep", "etp", "allgather",
+                                "ep_overlap")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes, layout=one[0].layout)
 
 

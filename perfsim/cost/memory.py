@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from perfsim.cost import counts, fp8, pipeline, stack_memory
+from perfsim.cost import counts, experts, fp8, pipeline, stack_memory
 from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP8, FP32
@@ -165,6 +165,8 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
         final_norm = counts.norm_params(model) / shard
+    if model.moe:  # the routed experts split etp x ep ways (cost/experts.py, docs/equations.md 12.5)
+        per_layer = sum(experts.layer_params_per_rank(model, c))
     mtp = pipeline.mtp_count(c, stage)
     params = per_layer * (stage_layer_count(model, c, stage) + mtp)
     word = model.padded_vocab(t) * h / shard
@@ -198,12 +200,17 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     layers = stage_layer_count(model, c, stage)
     # FP8 copies (or FP8 weights in place of the bf16 ones) and their scaling state
     weights = weights + fp8.weight_copy_bytes(model, c, layers, fw.fp8_param_gather)
+    if model.moe:  # FP8 copies of the experts' weights in place of the dense MLP's
+        moe_linear = layers * experts.expert_linear_weights_per_rank(model, c)
+        weights = weights + c.fp8 * (fp8.FP8_COPIES * FP8 - (fw.fp8_param_gather or 0) * e) * moe_linear
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     # Gradients freed after every step (zero_grad(set_to_none=True)) and no buffer of their own (no
     # data parallelism, DDP's buckets): with one micro-batch, not yet allocated when the backward
     # starts, the peak (7.4)
     grads = np.where(bool(fw.grads_set_to_none) & (c.microbatches == 1) & (p == 1) & (dp == 1), 0.0, grads)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * params / np.where(c.zero >= 1, dp, 1)
+    # the routed experts' states shard over the expert-data-parallel group (cost/experts.py)
+    expert_params = experts.stage_expert_params(model, c, stage_layer_count(model, c, stage))
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * experts.optimizer_params(c, params, expert_params) / np.where(c.zero >= 1, dp, 1)
     first = np.asarray(pipeline.embedding_count(c, stage)) > 0  # the stage holds the embedding
     last = np.asarray(pipeline.loss_count(c, stage)) > 0  # and the head and the loss
     # the distributed optimizer's alignment padding in the parameter and gradient buffers (7.1)
@@ -214,8 +221,9 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
 
     layout = layout_of(model, c)
     autocast = fw.autocast
+    imbalance = experts.moe_imbalance(system)
     per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
-                 + ring_saved_bytes(model, c, e))
+                 + ring_saved_bytes(model, c, e) + experts.layer_saved_delta(model, c, e, c.fp8, imbalance))
     in_flight = microbatches_in_flight(c, stage=pipeline.stage_index(c, stage))
     region = layout.region_split
     activations, masks, mtp_heads = layer_activations(model, c, stage, per_layer,
@@ -224,6 +232,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
     rebuilt = np.where(c.recompute == FULL, whole, 0)
     rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
+    rebuilt = rebuilt + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False)
     activations = activations + rebuilt + masks  # and the embedding's dropout masks
     vocab = model.padded_vocab(t)
     # final norm input (fp32 under autocast), the logits GEMM input and the fp32 softmax the loss keeps
@@ -238,6 +247,8 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     gathered = np.where(np.asarray(c.fp8) > 0, FP8, e) * np.where(np.asarray(c.tp_overlap) > 0, 0, 1)
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), gathered * s * b * h, 0)
     buffers = buffers + ring_attention_buffer_bytes(model, c)
+    if model.moe:  # one MoE layer's dispatch at a time (cost/experts.py)
+        buffers = buffers + experts.dispatch_buffer_bytes(model, c, e, imbalance)
     # selective recomputation's attention core, rebuilt for one layer's backward (7.5)
     core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast, c.fp8)
     buffers = buffers + np.where(c.recompute == SELECTIVE, core, 0)

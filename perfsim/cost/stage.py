@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from perfsim.cost import clocks, contention, pipeline
+from perfsim.cost import clocks, contention, experts, pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.attention_dropout import fused_dropout_work
 from perfsim.cost.topology import TopologyCommModel as CommModel
@@ -37,20 +37,22 @@ class StageTime:
     recompute: object = 0.0
     tp_comm: object = 0.0
     cp_comm: object = 0.0  # ring attention (context parallelism) not hidden behind the attention blocks
+    ep_comm: object = 0.0  # expert parallelism: the MoE layers' dispatch and combine (cost/experts.py)
     pp_comm: object = 0.0
     dp_comm: object = 0.0  # ZeRO-3 gathers not hidden behind compute
     backward: object = 0.0  # part of compute + recompute + tp_comm + cp_comm spent in backward
     forward_compute: object = 0.0  # part of compute spent in forward
     forward_tp: object = 0.0  # part of tp_comm spent in forward (not recomputation)
     forward_cp: object = 0.0  # part of cp_comm spent in forward (not recomputation)
+    forward_ep: object = 0.0  # part of ep_comm spent in forward (not recomputation)
     weight_grad: object = 0.0  # weight-gradient GEMMs inside the backward compute
     curve: object = 0.0  # part of compute + recompute priced by the parametric curves alone (cost/measured.py)
 
-    KINDS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm")
+    KINDS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")
 
     @property
     def total(self):
-        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.dp_comm
 
     def kinds(self) -> dict:
         return {k: getattr(self, k) for k in self.KINDS}
@@ -110,6 +112,20 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                                                              eta_tp, clock)
         layer_tp_fwd = np.where(c.tp_overlap, overlapped_fwd, layer_tp_fwd)
         layer_tp_bwd = np.where(c.tp_overlap, overlapped_bwd, layer_tp_bwd)
+    # mixture of experts: an average layer's MLP replaced in moe_share of the layers by the MoE
+    # block on the slowest expert-parallel rank, and its dispatch and combine (cost/experts.py)
+    layer_ep_fwd, layer_ep_bwd = experts.ep_comm_times(system, comm, model, c)
+    if model.moe:
+        mlp_ops = [op for op in layer_memory_ops(model, b, layout.split, layout.region_split, c.element, autocast)
+                   if op.name == "activation"]
+        layer = experts.moe_layer_work(model, system, c, layer, [g for g in gemms if g.name in ("fc1", "fc2")],
+                                       mlp_ops, peak_flops, clock)
+        keep = experts.tp_comm_share(model, c)
+        layer_tp_fwd, layer_tp_bwd = keep * layer_tp_fwd, keep * layer_tp_bwd
+        hidden_fwd, hidden_bwd = experts.overlapped_ep_times(system, layer_ep_fwd, layer_ep_bwd,
+                                                             layer.time_s + layer.backward_s)
+        layer_ep_fwd = np.where(c.ep_overlap, hidden_fwd, layer_ep_fwd)
+        layer_ep_bwd = np.where(c.ep_overlap, hidden_bwd, layer_ep_bwd)
     # the host time of each layer, a third in forward (docs/equations.md 8.1-8.2), and what
     # recomputation adds to it in backward
     host = layer_host_overhead(system, c)
@@ -118,6 +134,7 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     recompute = np.where(c.recompute == FULL, layer.time_s, np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0)) \
         + recompute_host
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
+    recompute_ep = np.where(c.recompute == FULL, layer_ep_fwd, 0.0)  # the recomputed forward dispatches again
     # ring attention beside the attention blocks; recomputation (full or selective) runs the
     # attention core again, and its ring with it
     layer_cp_fwd, layer_cp_bwd = ring_attention_times(comm, model, c, layer.core_time_s, layer.core_backward_s, eta_cp)
@@ -126,10 +143,11 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     middle = StageTime(compute=n * (layer.time_s + layer.backward_s + host), recompute=n * recompute,
                        tp_comm=n * (layer_tp_fwd + layer_tp_bwd + recompute_tp),
                        cp_comm=n * (layer_cp_fwd + layer_cp_bwd + recompute_cp),
+                       ep_comm=n * (layer_ep_fwd + layer_ep_bwd + recompute_ep),
                        backward=n * (layer.backward_s + host_bwd + recompute + layer_tp_bwd + recompute_tp
-                                     + layer_cp_bwd + recompute_cp),
+                                     + layer_cp_bwd + recompute_cp + layer_ep_bwd + recompute_ep),
                        forward_compute=n * (layer.time_s + host_fwd), forward_tp=n * layer_tp_fwd,
-                       forward_cp=n * layer_cp_fwd, weight_grad=n * layer.weight_grad_s)
+                       forward_cp=n * layer_cp_fwd, forward_ep=n * layer_ep_fwd, weight_grad=n * layer.weight_grad_s)
     # recomputation repeats the layer's kernels: they rest on the curves in the layer's proportion
     # (host time is measured: no curve)
     kernels = n * (layer.time_s + layer.backward_s) + middle.recompute - n * recompute_host
@@ -239,7 +257,8 @@ def _plus(stage: StageTime, extra: Work, tp_forward, tp_backward, times=1) -> St
                                                                           tp_backward))
     return StageTime(compute=stage.compute + extra_fwd + extra_bwd, recompute=stage.recompute,
                      tp_comm=stage.tp_comm + tp_forward + tp_backward, cp_comm=stage.cp_comm, pp_comm=stage.pp_comm,
-                     dp_comm=stage.dp_comm, forward_cp=stage.forward_cp,
+                     dp_comm=stage.dp_comm, forward_cp=stage.forward_cp, ep_comm=stage.ep_comm,
+                     forward_ep=stage.forward_ep,
                      backward=stage.backward + extra_bwd + tp_backward,
                      forward_compute=stage.forward_compute + extra_fwd, forward_tp=stage.forward_tp + tp_forward,
                      weight_grad=stage.weight_grad + times * extra.weight_grad_s, curve=stage.curve + times * extra.curve_s)

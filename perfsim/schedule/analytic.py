@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 
+from perfsim.cost import experts
 from perfsim.cost.contention import overlap_efficiency
 from perfsim.cost.topology import TopologyCommModel as CommModel
 from perfsim.cost.columns import INTERLEAVED, Columns, stage_layer_count
@@ -32,7 +33,7 @@ from perfsim.cost.synchrony import synchrony_time
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
                   "synchrony")
 
 
@@ -54,7 +55,7 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     kinds = {k: slow_stage(lambda s: getattr(at[s], k)) for k in stages.first.KINDS}
     slow = {k: slow_stage(lambda s: getattr(at[s], k)) for k in ("backward", "forward_compute", "forward_tp")}
-    breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm")}
+    breakdown = {k: m * kinds[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm")}
     # Exactly zero without a pipeline; never negative from rounding.
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]
@@ -68,7 +69,12 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
         return _first_at(held, params, [of(pos) for pos, _, _, _ in rows])
 
     units = heaviest(lambda s: zero3_units(model, c, s))
-    reduction, gather = step_reduction_time(system, comm, c, params, units)
+    # a MoE model's routed experts reduce over the expert-data-parallel group (cost/experts.py)
+    expert_params = heaviest(lambda s: experts.stage_expert_params(model, c, stage_layer_count(model, c, s)))
+    reduction, gather = step_reduction_time(system, comm, c, params - expert_params, units)
+    if model.moe:
+        expert_reduction, expert_gather = experts.expert_reduction_times(system, comm, c, expert_params)
+        reduction, gather = reduction + expert_reduction, gather + expert_gather
     # Overlapped (dp_overlap): the reduction bucket by bucket (one per layer) behind the slowest
     # stage's last backward, the gather behind the next step's first forward (docs/equations.md 9.2).
     buckets = slow_stage(lambda s: stage_layer_count(model, c, s))
@@ -83,8 +89,10 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     # the optimizer step, the passes over the gradient buffer before it (grad_passes.py), and in
     # FP8 the cast of the updated weights it is followed by
-    breakdown["optimizer"] = optimizer_time(system, c, params) + grad_buffer_pass_time(system, params) \
-        + weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
+    breakdown["optimizer"] = optimizer_time(system, c, experts.optimizer_params(c, params, expert_params)) \
+        + grad_buffer_pass_time(system, params) \
+        + weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s))) \
+        + experts.expert_weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
     breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
     # what the job waits for its slowest rank at the optimizer step, every group's wait nested in
     # it (cost/synchrony.py; docs/equations.md 9.5)

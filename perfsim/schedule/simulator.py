@@ -53,8 +53,9 @@ COMPUTE, RECOMPUTE, TP, PP, DP, OPTIMIZER, OTHER = "compute", "recompute", "tp_c
     "optimizer", "other"
 CP = "cp_comm"  # ring attention's exposed waits, on the compute stream (context parallelism)
 SYNC = "synchrony"  # the job's wait for its slowest rank at the optimizer step (cost/synchrony.py)
-LANES = ("compute", "tp", "pp", "dp", "cp")
-LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0, CP: 4, SYNC: 0}
+EP = "ep_comm"  # a MoE layer's dispatch and combine all-to-alls, on a stream of their own (cost/experts.py)
+LANES = ("compute", "tp", "pp", "dp", "cp", "ep")
+LANE_OF = {COMPUTE: 0, RECOMPUTE: 0, TP: 1, PP: 2, DP: 3, OPTIMIZER: 0, OTHER: 0, CP: 4, SYNC: 0, EP: 5}
 # Traffic classes: transfers of one class never slow each other down further (engine.py).
 PP_FORWARD, PP_BACKWARD, DP_TRAFFIC, TP_TRAFFIC, TIED_TRAFFIC = 1, 2, 3, 4, 5
 
@@ -83,6 +84,9 @@ class StepCosts:
     forward_cp: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))  # ring attention's
     backward_cp: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))  # exposed waits (backward:
     # recomputation's included)
+    # a MoE model's all-to-alls not hidden, forward and backward (recomputation's included)
+    forward_ep: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))
+    backward_ep: dict = field(default_factory=lambda: dict.fromkeys(POSITIONS, 0.0))
     dp_overlap: float = 0.0
     # collectives.overlap_efficiency: the share of overlapped gradient buckets that their pass's
     # compute hides; the rest lengthens the pass (_contention)
@@ -171,6 +175,8 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         weight_grad=per(lambda k: parts[k].weight_grad),
         forward_cp=per(lambda k: times[k].forward_cp),
         backward_cp=per(lambda k: times[k].cp_comm - times[k].forward_cp),
+        forward_ep=per(lambda k: times[k].forward_ep),
+        backward_ep=per(lambda k: times[k].ep_comm - times[k].forward_ep),
         hop_s=f(stages.middle.pp_comm) / (2 * v) if p > 1 else 0.0,
         dp=dp, zero=zero, dp_overlap=o, overlap_efficiency=eta, recompute_full=int(c.recompute) == 2,
         overhead_s=float(shown_step_overhead(system, max(optimizer.values()))),
@@ -220,7 +226,8 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
 CHUNK_FIELDS = {"forward_compute": lambda t: t.forward_compute, "forward_tp": lambda t: t.forward_tp,
                 "recompute": lambda t: t.recompute, "backward_compute": lambda t: t.compute - t.forward_compute,
                 "backward_tp": lambda t: t.tp_comm - t.forward_tp, "weight_grad": lambda t: t.weight_grad,
-                "forward_cp": lambda t: t.forward_cp, "backward_cp": lambda t: t.cp_comm - t.forward_cp}
+                "forward_cp": lambda t: t.forward_cp, "backward_cp": lambda t: t.cp_comm - t.forward_cp,
+                "forward_ep": lambda t: t.forward_ep, "backward_ep": lambda t: t.ep_comm - t.forward_ep}
 
 
 def _lay_out(costs: StepCosts, model: ModelSpec, c: Columns, stages: StageCosts) -> None:
@@ -337,11 +344,12 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         wg = min(part("weight_grad", chunk), part("backward_compute", chunk)) if zb else 0.0
         tp_f, tp_b = part("forward_tp", chunk), part("backward_tp", chunk)
         parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part("forward_compute", chunk)),
-                     (CP, part("forward_cp", chunk)), (TP, 0.0 if split else tp_f)],
+                     (CP, part("forward_cp", chunk)), (EP, part("forward_ep", chunk)), (TP, 0.0 if split else tp_f)],
                  # the ring's waits sit inside every layer's backward: drawn ahead of the compute, and
                  # the gradient buckets released over both (_reduce), the last at the pass's compute end
                  B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part("recompute", chunk)),
-                     (CP, part("backward_cp", chunk)), (COMPUTE, part("backward_compute", chunk) - wg),
+                     (CP, part("backward_cp", chunk)), (EP, part("backward_ep", chunk)),
+                     (COMPUTE, part("backward_compute", chunk) - wg),
                      (TP, 0.0 if split else tp_b)],
                  W: [(COMPUTE, wg)]}
         for kind, segs in parts.items():
@@ -491,7 +499,7 @@ def _release_window(segments) -> tuple:
     for kind, d in segments:
         if kind == COMPUTE:
             return offset, grad + d
-        if kind == CP:  # the ring's waits sit inside the layers whose buckets follow
+        if kind in (CP, EP):  # the ring's and the all-to-alls' waits sit inside the layers whose buckets follow
             grad += d
             continue
         offset += d

@@ -22,7 +22,8 @@ from perfsim.schedule.simulator import LANE_OF, LANES, SimResult
 TRACE_EVENTS = 150_000   # about 15 MB of JSON
 CHART_BARS = 25_000      # a browser still pans and zooms such a chart smoothly
 
-KIND_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b", "pp_comm": "#54a24b",
+KIND_COLOURS = {"compute": "#4c78a8", "recompute": "#9ecae9", "tp_comm": "#f58518", "cp_comm": "#eeca3b",
+                "ep_comm": "#ff9da6", "pp_comm": "#54a24b",
                 "dp_comm": "#e45756", "optimizer": "#b279a2", "other": "#9d755d", "synchrony": "#72b7b2"}
 
 
@@ -39,6 +40,8 @@ def _name(label, kind: str | None = None) -> str:
             return f"tp {name}"
         if kind == "cp_comm":
             return f"ring {name}"
+        if kind == "ep_comm":
+            return f"all-to-all {name}"
         if kind == "pp_comm":
             return f"send {name}"
         return name

@@ -15,6 +15,7 @@ TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "2.5d": ("row", "col", "depth"),
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("unfused", "flash")  # the attention core as two GEMMs and a softmax, or one fused kernel
+MOE_DISPATCHERS = ("alltoall", "allgather")  # Megatron-Core's --moe-token-dispatcher-type (flex/DeepEP not modelled)
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
 ORDERS = tuple("-".join(p) for p in itertools.permutations(DIMENSIONS))  # every rank order, DEFAULT_ORDER first
@@ -55,6 +56,14 @@ class Plan:
     # A pipeline layout in Megatron-Core's string form (--pipeline-model-parallel-layout, spec/layout.py):
     # every virtual stage's layers, embedding, loss and MTP layers; "" for a split by the counts above
     pp_layout: str = ""
+    # Mixture of experts (Megatron-Core's "parallel folding", docs/equations.md 12.1): the experts
+    # run on etp x ep x expert-dp x pp over the ranks attention runs on as tp x cp x dp x pp
+    ep: int = 1  # expert parallelism: ranks sharing a layer's routed experts (each holds experts / ep)
+    etp: int = 0  # tensor parallelism inside each expert; 0: the attention's tp (Megatron-Core's default)
+    moe_dispatcher: str = "alltoall"  # how tokens reach their experts: "alltoall" or "allgather"
+    # Megatron-Core's --overlap-moe-expert-parallel-comm (Megatron-Bridge's moe_a2a_overlap): one
+    # micro-batch's all-to-alls beside another's compute, forward and backward merged
+    ep_overlap: bool = False
 
     @property
     def devices(self) -> int:
@@ -64,6 +73,16 @@ class Plan:
     def microbatches(self) -> int:
         """Micro-batches each pipeline runs per step (the gradient-accumulation count)."""
         return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor parallelism inside the experts: etp, or the attention's tp where etp is 0."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert (expert-data parallelism): tp x cp x dp / (etp x ep)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -85,6 +104,12 @@ def stack_words(plan: Plan) -> str:
     words = [f"CP {plan.cp}"] if plan.cp > 1 else []
     words += ["flash attention"] if plan.attention == "flash" else []
     words += [f"{name} overlap" for name, on in (("TP", plan.tp_overlap), ("DP", plan.dp_overlap)) if on]
+    if plan.ep > 1 or plan.etp not in (0, plan.tp):
+        words.append(f"EP {plan.ep}" + (f", ETP {plan.expert_tp}" if plan.expert_tp != plan.tp else ""))
+    if plan.moe_dispatcher != "alltoall":
+        words.append(f"{plan.moe_dispatcher} dispatcher")
+    if plan.ep_overlap:
+        words.append("EP overlap")
     return ", ".join(words)
 
 
@@ -104,10 +129,11 @@ def canonical(plan: Plan) -> Plan:
     """`plan` with the choices that change nothing written one way, so that equal plans compare
     equal: the place of size-1 dimensions in the rank order, and the ZeRO stage and the overlap of
     data-parallel communication without data or context parallelism (one replica has nothing to
-    shard or send)."""
+    shard or send), and an expert tensor parallelism equal to tp (0, its default)."""
     replicas = plan.dp * plan.cp  # the group gradients are reduced over (and ZeRO shards over)
     return plan.replace(order=canonical_order(plan.order, plan.tp * plan.cp, plan.dp, plan.pp),
-                        zero=plan.zero if replicas > 1 else 0, dp_overlap=plan.dp_overlap and replicas > 1)
+                        zero=plan.zero if replicas > 1 else 0, dp_overlap=plan.dp_overlap and replicas > 1,
+                        etp=0 if plan.etp == plan.tp else plan.etp, ep_overlap=plan.ep_overlap and plan.ep > 1)
 
 
 def device_count_problem(devices: int) -> str | None:
@@ -170,6 +196,7 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
                 else f"the sequence length {model.seq}"
             reasons.append(f"with --sp, tp {plan.tp} must divide {tokens}")
     reasons += context_parallel_problems(plan, model)
+    reasons += expert_parallel_problems(plan, model)
     split = pipeline_split_problems(plan, model) + layout_plan_problems(plan, model)
     reasons += split
     if model.layers % (plan.pp * plan.vpp) and not split and not uneven(plan):
@@ -209,6 +236,48 @@ def context_parallel_problems(plan: Plan, model: ModelSpec) -> list[str]:
     if model.seq % (2 * plan.cp):
         reasons.append(f"cp {plan.cp} needs the sequence length {model.seq} to be a multiple of 2 x cp = "
                        f"{2 * plan.cp} (causal load balancing cuts each sequence into 2 x cp chunks)")
+    return reasons
+
+
+def expert_parallel_problems(plan: Plan, model: ModelSpec) -> list[str]:
+    """Why `plan`'s expert layout cannot run `model`'s experts (Megatron-Core's parallel folding:
+    etp x ep x expert-dp = tp x cp x dp inside each pipeline stage; docs/equations.md 12.1)."""
+    reasons = []
+    for name in ("ep", "etp"):
+        value = getattr(plan, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "ep" else 0):
+            return [f"{name} must be a {'positive ' if name == 'ep' else ''}whole number"
+                    f"{' (0: the attention tp)' if name == 'etp' else ''}, got {value!r}"]
+        if value > LARGEST_SIZE:
+            return [f"{name} {value} is implausibly large (at most {LARGEST_SIZE})"]
+    if not isinstance(plan.ep_overlap, (bool, np.bool_)):
+        return [f"ep_overlap must be true or false, got {plan.ep_overlap!r}"]
+    if plan.ep_overlap and (plan.ep < 2 or plan.moe_dispatcher != "alltoall"):
+        reasons.append("ep_overlap (--ep-overlap) overlaps the all-to-all dispatcher's all-to-alls: it needs --ep 2 "
+                       "or more and --moe-dispatcher alltoall")
+    if plan.moe_dispatcher not in MOE_DISPATCHERS:
+        reasons.append(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {plan.moe_dispatcher!r}")
+    if not model.moe:
+        if plan.ep > 1 or plan.etp not in (0, plan.tp) or plan.ep_overlap:
+            reasons.append(f"--ep, --etp and --ep-overlap split a mixture of experts; {model.name} is dense (no experts): "
+                           f"leave them out")
+        return reasons
+    etp, ep = plan.expert_tp, plan.ep
+    if plan.tp_mode != "1d":
+        reasons.append(f"a mixture of experts runs beside 1d tensor parallelism only (Megatron-Core); got --tp-mode {plan.tp_mode}")
+    if plan.tp > 1 and not plan.sp:
+        reasons.append("a mixture of experts with tp > 1 needs sequence parallelism (--sp), as Megatron-Core requires")
+    if plan.zero not in (0, 1):
+        reasons.append(f"perfsim prices a mixture of experts with ZeRO 0 or 1 (Megatron-Core's DDP and distributed "
+                       f"optimizer), not ZeRO {plan.zero}")
+    if model.experts % ep:
+        reasons.append(f"ep {ep} must divide the {model.experts} experts")
+    if model.expert_ffn % etp:
+        reasons.append(f"etp {etp} must divide the expert FFN width {model.expert_ffn}")
+    ranks = plan.tp * plan.cp * plan.dp
+    if ranks % (etp * ep):
+        reasons.append(f"etp x ep = {etp} x {ep} must divide the {ranks} ranks of a pipeline stage (tp x cp x dp = "
+                       f"{plan.tp} x {plan.cp} x {plan.dp}): the experts fold over the same ranks as attention")
     return reasons
 
 

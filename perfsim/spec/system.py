@@ -256,6 +256,20 @@ class Framework:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """Mixture-of-experts numbers of the stack (an optional [moe] section; docs/equations.md 12)."""
+
+    # max over mean token copies per expert-parallel rank under the stack's routing (the slowest
+    # rank's share of the expert work and of the all-to-all); None: 1, perfectly balanced
+    imbalance: float | None = None
+    # host seconds per kernel Transformer Engine's grouped linear issues for one local expert (its
+    # GEMM, and in FP8 the quantization of its input or gradient): the host issues a MoE layer's
+    # expert kernels one expert at a time after the dispatcher's device-to-host synchronisation,
+    # so what they take beyond the kernels' own time shows (cost/experts.py); None: 0
+    expert_kernel_host_s: float | None = None
+
+
+@dataclass(frozen=True)
 class System:
     name: str
     description: str
@@ -269,6 +283,7 @@ class System:
     # "section.key" -> perfsim.uncertainty.ranges.Range for numbers with a range or causes
     ranges: dict = field(default_factory=dict)
     observations: str = ""  # path of the observations file the profile names (perfsim.uncertainty)
+    moe: Moe = field(default_factory=Moe)
 
 
 # Allowed range per key: (kind, lowest, highest, lowest allowed?). "int" keys must be whole numbers.
@@ -307,6 +322,7 @@ _OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer
                            "fp8_param_gather": ("float", 0.0, 1.0, True), "workspace_bytes": _NONNEG,
                            "buffer_alignment_elements": _COUNT, "rank_jitter": ("float", 0.0, 1.0, True)},
              "collectives": {"overlap_efficiency": _FRACTION},
+             "moe": {"imbalance": ("float", 1.0, INF, True), "expert_kernel_host_s": _NONNEG},
              "device": {"flash_forward_efficiency": _FRACTION, "flash_backward_efficiency": _FRACTION,
                         "flash_score_s": _NONNEG,
                         "peak_flops_fp8": _POSITIVE, "fp8_gemm_efficiency": _FRACTION, "gemm_half_dim_k": _POSITIVE,
@@ -320,6 +336,7 @@ _CHOICES = {"collectives": {"algorithm": ALGORITHMS},
             "framework": {"zero_implementation": ZERO_IMPLEMENTATIONS, "attention": ATTENTION}}
 _TOPOLOGIES = ("fat-tree",)
 _TOP_LEVEL = ("schema", "name", "description", "observations")
+_OPTIONAL_SECTIONS = ("moe",)  # sections a profile may leave out, every key optional
 _NUMBER_PARTS = ("value", "provenance", "source", "range", "distribution", "causes")
 
 
@@ -461,7 +478,7 @@ def operation_names(key: str) -> tuple:
 
 def parse_system(data: dict, where: str, path: str = "") -> System:
     """Build a System from parsed TOML; every problem names `where` and the key."""
-    _refuse_unknown(where, data, _TOP_LEVEL + tuple(_RULES), "",
+    _refuse_unknown(where, data, _TOP_LEVEL + tuple(_RULES) + _OPTIONAL_SECTIONS, "",
                     f"a profile holds {', '.join(_TOP_LEVEL)} and the sections "
                     f"{', '.join(f'[{s}]' for s in _RULES)} (docs/profile-format.md)")
     schema = data.get("schema")
@@ -508,6 +525,17 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         if section in _MEASURED_KERNELS and "measured" in raw:
             values["measured"] = _measured_tables(where, raw["measured"], section)
         sections[section] = values
+    for section in _OPTIONAL_SECTIONS:
+        raw = data.get(section, {})
+        if not isinstance(raw, dict):
+            raise PerfsimError(f"{where}: {section} must be the section [{section}], got {raw!r}")
+        _refuse_unknown(where, raw, tuple(_OPTIONAL[section]), f"{section}.",
+                        f"docs/profile-format.md lists the keys of [{section}]")
+        sections[section] = {}
+        for key, rule in _OPTIONAL[section].items():
+            if key in raw:
+                sections[section][key] = _number(where, f"{section}.{key}", raw[key], rule)
+                provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
     if sections["network"]["topology"] not in _TOPOLOGIES:
         raise PerfsimError(f"{where}: network.topology must be one of {', '.join(_TOPOLOGIES)}")
     for key, what in (("dp_overlap", "whether plans overlap data-parallel communication by default"),
@@ -526,8 +554,15 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         node=Node(**node), network=Network(**sections["network"]),
         collectives=Collectives(**sections["collectives"]), framework=Framework(**sections["framework"]),
         provenance=provenance, path=path, ranges=parse_ranges(where, data, provenance, number_rule),
-        observations=_observations_path(where, data, path),
+        observations=_observations_path(where, data, path), moe=Moe(**sections["moe"]),
     )
+
+
+def forced_balance(system: System) -> System:
+    """`system` under routing forced to balance the experts' tokens (Megatron-Core's
+    --moe-router-force-load-balancing, as MoE benchmarks run): moe.imbalance 1, its range dropped."""
+    ranges = {k: v for k, v in system.ranges.items() if k != "moe.imbalance"}
+    return replace(system, moe=replace(system.moe, imbalance=1.0), ranges=ranges)
 
 
 def available_systems() -> list[str]:
