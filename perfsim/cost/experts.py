@@ -384,7 +384,7 @@ def expert_host_times(system, model: ModelSpec, c: Columns) -> tuple:
     so the host cannot run ahead into the expert kernels, and each expert's kernels wait for
     their issue: the time adds to the layer's (docs/equations.md 12.4). 0 without the number."""
     tau = getattr(getattr(system, "moe", None), "expert_kernel_host_s", None)
-    if not tau:
+    if tau is None:  # under draws of a profile's ranges an array
         return 0.0, 0.0
     (gemm_f, gemm_b), (cast_f, cast_b) = EXPERT_KERNELS
     n = local_experts(model, c)
