@@ -1,0 +1,62 @@
+"""`perfsim validate` on a model with experts: its default plan sets hold expert-parallel plans at 2
+and 4 ranks (validate.timing.expert_plans), and the timed steps of those at 2 ranks
+(validate.steps -> validate.expert_parallel, bf16 on gloo) count what perfsim predicts: FLOPs
+exactly, the all-to-all bytes exactly up to the probabilities' all-to-all
+(validate.moe_check.named_differences), memory near it. tests/test_validate_moe.py checks the
+layer and the step rank by rank against a single-process run."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from perfsim.spec.model import load_model  # noqa: E402
+from perfsim.spec.plan import Plan  # noqa: E402
+from validate import timing  # noqa: E402
+
+MOE = ("layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+       "learned_positions=false,seq=32,vocab=512,tied_embeddings=false,dropout=false,"
+       "experts=4,topk=2,expert_ffn=32,shared_expert_ffn=64")
+EXPERTS = "ep" in Plan.__dataclass_fields__
+
+
+@pytest.mark.skipif(not EXPERTS, reason="a perfsim without expert parallelism")
+def test_default_plan_sets_of_a_model_with_experts_hold_expert_parallel_plans():
+    model = load_model(MOE)
+    two = [(p.dp, p.ep, p.moe_dispatcher, p.recompute) for p in timing.default_plans(2, model)]
+    assert two == [(2, 2, "alltoall", "none"), (2, 2, "allgather", "none"), (2, 2, "alltoall", "selective"),
+                   (2, 1, "alltoall", "none")]
+    four = [(p.dp, p.ep, p.moe_dispatcher) for p in timing.default_plans(4, model)]
+    assert (4, 4, "alltoall") in four and (4, 2, "alltoall") in four and (4, 4, "allgather") in four
+    assert all(not timing.harness_problems(p, model) for p in timing.default_plans(4, model))
+    dense = load_model(MOE.split(",experts=")[0])
+    assert all(p.ep == 1 for p in timing.default_plans(2, dense) + timing.default_plans(4, dense))
+    assert timing.harness_problems(Plan(tp=2, dp=2, ep=2), model)  # experts beside tensor parallelism: not run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not EXPERTS, reason="a perfsim without expert parallelism")
+def test_perfsim_validate_times_a_model_with_experts_default_plans(run_cli, tmp_path):
+    from perfsim.cost.columns import columns_of
+    from perfsim.cost.experts import alltoall_bytes_sent
+    from validate.moe_check import named_differences
+
+    model = load_model(MOE)
+    r = run_cli("validate", "--device", "cpu", "--nproc", "2", "--model", MOE, "--steps", "1",
+                "--speed-tolerance", "inf", "--ledger", str(tmp_path / "l.jsonl"), "--json")
+    assert r.code == 0, r.err
+    entries = r.json()
+    assert len(entries) == 4
+    for e in entries:
+        plan = Plan(**e["plan"])
+        assert e["flops"]["counted"] == e["flops"]["predicted"], e["label"]
+        if plan.ep > 1 and plan.moe_dispatcher == "alltoall":  # both ranks' sends, bf16
+            one = 2 * 2 * float(alltoall_bytes_sent(model, columns_of(plan))) * model.layers * plan.microbatches
+            named = named_differences(model, plan, 2)["all_to_all_bytes"]
+            assert e["comm_bytes_counted_by_kind"]["all_to_all"] == 2 * (one + named), e["label"]
+        assert e["activation_bytes"]["counted"] == pytest.approx(e["activation_bytes"]["predicted"], rel=0.10), e["label"]
+        # the allgather dispatcher's: perfsim prices 2.2 MB more buffers than the step holds (4.9 MB predicted,
+        # 2.8 MB measured; open in perfsim.cost.experts, which this file does not pin)
+        if plan.moe_dispatcher == "alltoall":
+            assert e["peak_memory_bytes"]["measured"] == pytest.approx(e["peak_memory_bytes"]["predicted"], rel=0.10)
