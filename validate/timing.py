@@ -228,10 +228,16 @@ def merge_rounds(measured: list) -> dict:
 
 
 def harness_system(system, dtype: str, device: str = "cpu"):
-    """The profile as the harness trains on a `device` kind (perfsim.calibrate.overheads.as_trained)."""
+    """The profile as the harness trains on a `device` kind (perfsim.calibrate.overheads.as_trained),
+    its experts' tokens balanced as validate.moe routes them (moe.imbalance 1: forced_balance)."""
     from perfsim.calibrate.overheads import as_trained
 
-    return as_trained(system, dtype, device)
+    trained = as_trained(system, dtype, device)
+    try:
+        from perfsim.spec.system import forced_balance
+    except ImportError:  # a perfsim without experts
+        return trained
+    return forced_balance(trained)
 
 
 def predicted(model, system, plan, dtype: str) -> dict:
