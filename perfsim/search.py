@@ -407,8 +407,17 @@ def plan_at(mode: str, order: str, cols: dict, i: int) -> Plan:
                 attention=ATTENTION[int(cols["flash"][i])], dp_overlap=bool(cols["dp_overlap"][i]),
                 tp_overlap=bool(cols["tp_overlap"][i]), cp=int(cols["cp"][i]),
                 first_stage_layers=int(cols["first_layers"][i]), last_stage_layers=int(cols["last_layers"][i]),
-                ep=int(cols["ep"][i]), etp=0 if cols["etp"][i] == cols["tp"][i] else int(cols["etp"][i]),
-                moe_dispatcher=MOE_DISPATCHERS[int(cols["allgather"][i])], ep_overlap=bool(cols["ep_overlap"][i]))
+                **_expert_fields(cols, i))
+
+
+def _expert_fields(cols: dict, i: int) -> dict:
+    """Plan fields ep, etp (0 where it is tp), moe_dispatcher and ep_overlap of row i (columns that
+    a batch built without them holds as single numbers, or not at all: a dense model's)."""
+    at = lambda name, default: np.asarray(cols.get(name, default))[i] if np.ndim(cols.get(name, default)) \
+        else cols.get(name, default)  # noqa: E731
+    tp, ep, etp = at("tp", 1), at("ep", 1), at("etp", 0)
+    return {"ep": int(ep), "etp": 0 if etp in (0, tp) else int(etp),
+            "moe_dispatcher": MOE_DISPATCHERS[int(at("allgather", 0))], "ep_overlap": bool(at("ep_overlap", 0))}
 
 
 def to_columns(mode: str, order: str, cols: dict) -> Columns:

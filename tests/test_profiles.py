@@ -16,7 +16,7 @@ from profile_toml import HWPROFILES
 ALLOWED_PROVENANCE = {"spec", "measured", "derived", "assumed", "calibrated"}  # docs/profile-format.md
 FILES = sorted(glob.glob(os.path.join(HWPROFILES, "*.toml")))
 NAMES = [os.path.splitext(os.path.basename(f))[0] for f in FILES]
-SECTIONS = ("device", "node", "network", "collectives", "framework")
+SECTIONS = ("device", "node", "network", "collectives", "framework", "moe")  # moe: optional (docs/profile-format.md)
 
 
 def _raw(path):
@@ -33,7 +33,7 @@ def _numbers(raw):
     """(section, key, table) for every number-with-provenance table in a raw profile; an entry of a
     per-operation table comes as ("collectives", "operation_efficiency.all_reduce", table)."""
     for section in SECTIONS:
-        for key, entry in raw[section].items():
+        for key, entry in raw.get(section, {}).items():  # an optional section may be absent
             if key == "measured":  # tables of measured points (docs/profile-format.md), not numbers
                 continue
             if (section, key) in OPERATION_TABLES:
