@@ -59,8 +59,9 @@ def register(sub) -> None:
                     system_default="cpu-calibrated with --device cpu; with --device cuda or xpu give the profile "
                                    "calibrated for it; smng-p2 with --megatron-log or --emit-slurm")
     _add_plan_flags(p, left_out="with --device, a set of at least 12 plans over --nproc ranks: 1d tensor parallelism "
-                                "with and without SP under each recompute mode, the three pipeline schedules, ZeRO 0-3; "
-                                "with --megatron-log, as perfsim predict")
+                                "with and without SP under each recompute mode, the three pipeline schedules, ZeRO 0-3 "
+                                "(a model with experts: expert parallelism with each dispatcher, beside expert-DP at 4 "
+                                "ranks, and ep 1); with --megatron-log, as perfsim predict")
     p.add_argument("--json", action="store_true", help="print one JSON list, an object per plan (a Megatron-DeepSpeed "
                                                        "log: one object)")
     _add_slurm_flags(p)
@@ -147,7 +148,7 @@ def emit_slurm(args) -> None:
     model = load_model(model_spec)
     plans, defaulted = _chosen_plans(args, world, model=model_spec, system=None, nodes=None)
     for plan in plans:
-        problems = plan_problems(plan, model, world) + timing.harness_problems(plan)
+        problems = plan_problems(plan, model, world) + timing.harness_problems(plan, model)
         if problems:
             raise PerfsimError(f"plan {timing.plan_label(plan)} on {world} tiles: {'; '.join(problems)}"
                                + (" (give --plans for this node count)" if defaulted else ""))
