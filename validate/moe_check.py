@@ -34,7 +34,7 @@ MBS, MICROBATCHES = 2, 2
 SYSTEM = "cpu-example"
 
 CASES = {
-    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2"],
+    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2", "ep2-dp2-full"],
     4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk"],
 }
 
@@ -66,8 +66,10 @@ class CasePlan:
 
 
 def case_plan(name: str):
-    """"ep2-dp4", "ep2-dp2-allgather", "ep4-dp4-topk" (routing is the case's, not the plan's)."""
-    fields = {"moe_dispatcher": "allgather" if name.endswith("allgather") else "alltoall"}
+    """"ep2-dp4", "ep2-dp2-allgather", "ep4-dp4-topk" (routing is the case's, not the plan's),
+    "ep2-dp2-full" (full recomputation: the layer's forward, all-to-alls included, again in backward)."""
+    fields = {"moe_dispatcher": "allgather" if name.endswith("allgather") else "alltoall",
+              "recompute": "full" if name.endswith("full") else "none"}
     for part in name.split("-"):
         if part[:2] in ("ep", "dp"):
             fields[part[:2]] = int(part[2:])
@@ -103,8 +105,9 @@ def gemm_forward_flops(model, tokens: int, received: int, local_experts: int, mo
 
 def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params: int) -> dict:
     """What one rank of a balanced step does, from the shapes alone (validate.moe's module doc):
-    FLOPs (backward twice forward: every GEMM's input and weight gradients), bytes sent in the
-    all-to-alls (dispatch of tokens and probabilities, combine; the same again backward), the
+    FLOPs (backward twice forward: every GEMM's input and weight gradients; full recomputation the
+    layers' forward once more), bytes sent in the all-to-alls (dispatch of tokens and
+    probabilities, combine; the same again backward, and forward again under full recomputation), the
     gradient all-reduces (dense over dp, experts over dp / ep), and what one MoE layer keeps."""
     ep, t, k = plan.ep, plan.mbs * model.seq, model.topk
     received = t * k  # balanced: every rank gets T k / ep copies from each of ep ranks
@@ -112,11 +115,13 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
     layer_fwd = (model.dense_layers * gemm_forward_flops(model, t, received, model.experts // ep, False)
                  + moe_layers * gemm_forward_flops(model, t, received, model.experts // ep, True)
                  + 2 * t * model.hidden * model.vocab)  # the head (vocab unpadded at tp 1 and 128-multiple sizes)
-    flops = 3 * layer_fwd * plan.microbatches
+    passes = 3 if plan.recompute != "full" else 4  # full recomputation: every layer's forward again
+    # (the head's not: checkpointed are the transformer layers)
+    flops = (passes * layer_fwd - (passes - 3) * 2 * t * model.hidden * model.vocab) * plan.microbatches
     sent = t * k * (ep - 1) // ep  # token copies a rank sends to the others in one all-to-all
     h = model.hidden
     bytes_a2a = 0 if ep == 1 or plan.moe_dispatcher != "alltoall" else \
-        2 * (2 * sent * h + sent) * element_bytes * moe_layers * plan.microbatches
+        (passes - 1) * (2 * sent * h + sent) * element_bytes * moe_layers * plan.microbatches
     edp = plan.dp // ep
     reduce = (2 * (plan.dp - 1) / plan.dp * dense_params + 2 * (edp - 1) / edp * expert_params) * element_bytes
     glu = 2 if model.activation == "swiglu" else 1
@@ -130,7 +135,8 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
 def perfsim_count(model, plan, element_bytes: int) -> dict | None:
     """perfsim's figures for one rank of the plan, where perfsim prices experts (else None): the
     step's FLOPs (hardware, over the ranks), the bytes its all-to-alls send (dispatch and combine,
-    forward and backward, every MoE layer and micro-batch; perfsim.cost.experts.alltoall_bytes_sent)
+    forward and backward and the recomputed forward, every MoE layer and micro-batch;
+    perfsim.cost.experts.alltoall_bytes_sent)
     and what one MoE layer keeps (perfsim.cost.experts.saved_activation_bytes), at `element_bytes`
     an element as the run."""
     try:
@@ -145,7 +151,7 @@ def perfsim_count(model, plan, element_bytes: int) -> dict | None:
     layers = model.layers - model.dense_layers
     sent = float(experts.alltoall_bytes_sent(model, c, element=element_bytes)) if plan.moe_dispatcher == "alltoall" else 0.0
     return {"flops": predict(model, load_system(SYSTEM), plan, "fp32").hardware_flops_per_step / plan.devices,
-            "all_to_all_bytes": 2 * 2 * sent * layers * plan.microbatches,
+            "all_to_all_bytes": 2 * directions(plan) * sent * layers * plan.microbatches,
             "moe_layer_saved_bytes": float(experts.saved_activation_bytes(model, c, element=element_bytes))}
 
 
@@ -154,8 +160,9 @@ def named_differences(model, plan, element_bytes: int) -> dict:
     otherwise, each by its formula, harness less perfsim, for one rank of a balanced step:
 
     - all_to_all_bytes: the routing probabilities ride an all-to-all of their own beside the tokens
-      (MoEAlltoAllTokenDispatcher.token_dispatch's global_probs), forward and back: 2 x the copies
-      sent x an element, per MoE layer and micro-batch; perfsim sends the tokens alone.
+      (MoEAlltoAllTokenDispatcher.token_dispatch's global_probs), forward and back (and forward
+      again under full recomputation): the copies sent x an element each pass, per MoE layer and
+      micro-batch; perfsim sends the tokens alone.
     - moe_layer_saved_bytes (one layer's forward alone): + the router's input (perfsim counts it
       in the dense region, as the norm's output); + the top-k softmax's fp32 output [T, k] (the
       harness's softmax runs over the k chosen logits, moe_router_pre_softmax off, and no
@@ -171,7 +178,14 @@ def named_differences(model, plan, element_bytes: int) -> dict:
     sent = copies * (plan.ep - 1) // plan.ep if plan.moe_dispatcher == "alltoall" else 0
     layers = model.layers - model.dense_layers
     saved = t * h * e + 4 * t * k + e * copies - 4 * t * model.experts - (4 + 8) * copies - e * h * copies
-    return {"all_to_all_bytes": 2 * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
+    return {"all_to_all_bytes": directions(plan) * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
+
+
+def directions(plan) -> int:
+    """Passes a layer's dispatch and combine run per micro-batch: forward and backward, and the
+    forward again under full recomputation (perfsim.cost.stage: "the recomputed forward
+    dispatches again")."""
+    return 2 + (plan.recompute == "full")
 
 
 def run_case(torch, dist, model_spec: str, name: str) -> dict:
@@ -184,7 +198,7 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     model = load_model(model_spec)
     plan = case_plan(name)
     rank = dist.get_rank()
-    cfg = dataclasses.replace(GPTConfig.from_spec(model), routing=case_routing(name))
+    cfg = dataclasses.replace(GPTConfig.from_spec(model, 1, plan.recompute, plan.attention), routing=case_routing(name))
     torch.manual_seed(0)
     reference = GPT(cfg)
     step = ExpertParallelStep(plan, model, torch.device("cpu"), torch.float32, reference=reference)
