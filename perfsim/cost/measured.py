@@ -91,6 +91,8 @@ def _unique_rows(coordinates: list) -> tuple:
     # whole numbers is far quicker than np.unique(axis=0)'s sort of rows (same rows, same answer)
     key = np.zeros(rows.shape[0], np.int64)
     for column in rows.T:
+        if column.min() == column.max():  # one value (a GEMM's k, a batch's count): no sort
+            continue
         values, codes = np.unique(column, return_inverse=True)
         key = key * len(values) + codes.ravel()
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
