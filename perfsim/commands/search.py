@@ -32,6 +32,8 @@ def register(sub) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="one JSON object: evaluated, feasible, rejected, plans, pareto")
     out.add_argument("--csv", action="store_true", help="the top plans as CSV")
+    p.add_argument("--moe-balanced", dest="moe_balanced", action="store_true",
+                   help="routing forced to balance every expert's tokens (as MoE benchmarks run): moe.imbalance 1")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--robust", action="store_true",
                    help="rank every plan of the space over draws of the profile's ranges (its posterior where it "
@@ -59,6 +61,10 @@ def run(args) -> None:
     from perfsim.spec.system import load_system
 
     model, system = load_model(args.model), load_system(args.system)
+    if args.moe_balanced:  # docs/equations.md 12.4
+        from perfsim.spec.system import forced_balance
+
+        system = forced_balance(system)
     devices = args.devices if args.devices is not None else args.nodes * system.node.devices_per_node
     too_many = device_count_problem(devices)
     if too_many:  # before enumerating the plans

@@ -65,10 +65,30 @@ def expert_sizes(c: Columns) -> tuple:
 
 
 def group_strides(c: Columns) -> dict:
-    """Strides in rank space of the expert groups (Megatron-Core's expert rank order tp-ep-dp-pp
-    inside a pipeline stage): etp 1, ep etp, edp etp x ep."""
+    """Strides in rank space of the expert groups: Megatron-Core numbers a stage's tp x cp x dp
+    ranks tp innermost and lays the expert groups over that numbering in the order tp-ep-dp (ETP
+    members 1 apart, EP members etp apart, EDP members etp x ep apart, and the all-gather
+    dispatcher's ETP x EP group 1 apart). A stage's ranks are contiguous in rank space when pp is
+    outermost (the default order); otherwise its numbering jumps over the pipeline's ranks, and a
+    group is priced as evenly spaced over the span its first and last member cover
+    (stage_group_stride; docs/equations.md 12.1)."""
     etp = c.expert_tp
-    return {"etp": np.ones_like(np.asarray(etp, dtype=float)), "ep": etp, "edp": etp * c.ep}
+    return {"etp": stage_group_stride(c, 1, etp), "ep": stage_group_stride(c, etp, c.ep),
+            "edp": stage_group_stride(c, etp * c.ep, c.tp * c.cp * c.dp / (etp * c.ep)),
+            "etp_ep": stage_group_stride(c, 1, etp * c.ep)}
+
+
+def stage_group_stride(c: Columns, step, size):
+    """Rank-space stride of the group of `size` ranks `step` apart in a stage's numbering (tp
+    innermost, then cp, then dp), starting at the stage's first rank: (rank of its last member) /
+    (size - 1), exact where the group is evenly spaced in rank space; `step` where size is 1."""
+    strides = c.strides
+    last = step * (np.asarray(size, dtype=float) - 1)
+    i_tp = np.mod(last, c.tp)
+    rest = np.floor_divide(last, c.tp)
+    i_cp, i_dp = np.mod(rest, c.cp), np.floor_divide(rest, c.cp)
+    rank = i_tp * strides["tp"] + i_cp * strides["cp"] + i_dp * strides["dp"]
+    return np.where(np.asarray(size) > 1, rank / np.maximum(np.asarray(size, dtype=float) - 1, 1), step)
 
 
 def moe_share(model: ModelSpec) -> float:
@@ -215,7 +235,7 @@ def dispatch_times(system, comm, model: ModelSpec, c: Columns, imbalance=1.0, el
                                    + comm.reduce_scatter(etp * sent, etp, strides["etp"]), 0.0)
     group = etp * c.ep
     gathered = e * h * local_tokens(model, c) * group
-    allgather = comm.all_gather(gathered, group, strides["etp"]) + comm.reduce_scatter(gathered, group, strides["etp"])
+    allgather = comm.all_gather(gathered, group, strides["etp_ep"]) + comm.reduce_scatter(gathered, group, strides["etp_ep"])
     return np.where(np.asarray(c.allgather) > 0, allgather, alltoall)
 
 
