@@ -172,3 +172,16 @@ def test_megatron_bridge_moe_rows_within_tolerance():
     for row, p in rows:
         assert p.fits and p.memory_bytes["total"] <= p.device_memory_bytes  # the H100 80GB as a process sees it
         assert (p.plan.tp, p.plan.pp, p.plan.ep, p.plan.mbs, p.plan.vpp) == (row.tp, row.pp, row.ep, row.mbs, row.vpp)
+
+
+def test_expert_groups_follow_the_rank_order():
+    """tp 1, pp 2, dp 8, EP 8: under tp-dp-pp a stage's 8 ranks are 0..7 (EP stride 1, one node);
+    under tp-pp-dp they are 0, 2, .., 14 (stride 2), and the all-to-all crosses a node."""
+    model = load_model(QWEN)
+    system = load_system("dgx-h100")
+    inside, across = (columns_of(_plan(order=o)) for o in ("tp-dp-pp", "tp-pp-dp"))
+    assert experts.group_strides(inside)["ep"] == 1 and experts.group_strides(across)["ep"] == 2
+    n = 1e8
+    assert experts.all_to_all_time(system, n, 8, 2) == pytest.approx(n * 4 / 8 / (50e9 * 0.94) + 5e-6)
+    assert predict(model, system, _plan(order="tp-pp-dp"), "fp8").time_breakdown_s["ep_comm"] > \
+        predict(model, system, _plan(), "fp8").time_breakdown_s["ep_comm"]
