@@ -290,12 +290,15 @@ def plan_group_shapes(model: ModelSpec, plan: Plan) -> list:
 
 
 def plan_expert_groups(model: ModelSpec, plan: Plan) -> list:
-    """(size, stride) of the plan's expert-parallel groups: ep ranks, etp apart (Megatron-Core's
-    expert rank order tp-ep-dp; etp 0 is the attention's tp); none without experts or with ep 1."""
+    """(size, stride) of the plan's expert-parallel groups, where perfsim prices them
+    (perfsim.cost.experts.group_strides: Megatron-Core's expert order tp-ep-dp over a stage's
+    ranks, in the plan's rank order); none without experts or with ep 1."""
     ep = getattr(plan, "ep", 1)
     if ep <= 1 or not getattr(model, "moe", False):
         return []
-    return [(int(ep), int(getattr(plan, "etp", 0) or plan.tp))]
+    from perfsim.cost.experts import group_strides
+
+    return [(int(ep), int(round(float(np.asarray(group_strides(columns_of(plan))["ep"]).item()))))]
 
 
 def plan_all_to_all_bytes(model: ModelSpec, plan: Plan) -> int | None:
