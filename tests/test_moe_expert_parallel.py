@@ -185,3 +185,17 @@ def test_expert_groups_follow_the_rank_order():
     assert experts.all_to_all_time(system, n, 8, 2) == pytest.approx(n * 4 / 8 / (50e9 * 0.94) + 5e-6)
     assert predict(model, system, _plan(order="tp-pp-dp"), "fp8").time_breakdown_s["ep_comm"] > \
         predict(model, system, _plan(), "fp8").time_breakdown_s["ep_comm"]
+
+
+def test_a_capacity_factor_caps_the_imbalance():
+    """With capacity_factor 1.0 no expert takes more than its fair share: the slowest rank's
+    all-to-all is the balanced one, whatever the profile's imbalance (1.15 on dgx-h100)."""
+    import dataclasses
+
+    model = load_model(QWEN)
+    capped = dataclasses.replace(model, capacity_factor=1.0)
+    system = load_system("dgx-h100")
+    assert experts.moe_imbalance(system, capped) == 1.0
+    assert experts.moe_imbalance(system, dataclasses.replace(model, capacity_factor=1.1)) == pytest.approx(1.1)
+    balanced = predict(model, forced_balance(system), _plan(), "fp8").time_breakdown_s["ep_comm"]
+    assert predict(capped, system, _plan(), "fp8").time_breakdown_s["ep_comm"] == pytest.approx(balanced)

@@ -376,7 +376,7 @@ def moe_layer_work(model: ModelSpec, system, c: Columns, dense, mlp_gemms: list,
     share = moe_share(model)
     if not share:
         return dense
-    imbalance = moe_imbalance(system) if imbalance is None else imbalance
+    imbalance = moe_imbalance(system, model) if imbalance is None else imbalance
     dev = system.device
     mlp = clocks.clocked_work(clock, dev, peak_flops, mlp_gemms, mlp_ops, 0, c.fp8)
     block = clocks.clocked_work(clock, dev, peak_flops, expert_gemms(model, c, imbalance) + shared_expert_gemms(model, c),
@@ -412,10 +412,16 @@ def expert_host_times(system, model: ModelSpec, c: Columns) -> tuple:
     return n * (gemm_f + fp8 * cast_f) * tau, n * (gemm_b + fp8 * cast_b) * tau
 
 
-def moe_imbalance(system):
-    """The profile's moe.imbalance (max over mean token copies per EP rank), 1 where it has none."""
+def moe_imbalance(system, model: ModelSpec | None = None):
+    """The profile's moe.imbalance (max over mean token copies per EP rank), 1 where it has none;
+    with a capacity factor (the model's capacity_factor) no expert takes more than that times its
+    fair share, so no rank either: the imbalance is capped there (the copies beyond are dropped,
+    counts.routed_tokens)."""
     value = getattr(getattr(system, "moe", None), "imbalance", None)
-    return 1.0 if value is None else value
+    value = 1.0 if value is None else value
+    if model is not None and model.capacity_factor:
+        value = np.minimum(value, max(model.capacity_factor, 1.0))
+    return value
 
 
 def ep_comm_times(system, comm, model: ModelSpec, c: Columns, imbalance=None) -> tuple:
@@ -423,7 +429,7 @@ def ep_comm_times(system, comm, model: ModelSpec, c: Columns, imbalance=None) ->
     slowest rank: moe_share x dispatch_times each way (docs/equations.md 12.3)."""
     if not model.moe:
         return 0.0, 0.0
-    imbalance = moe_imbalance(system) if imbalance is None else imbalance
+    imbalance = moe_imbalance(system, model) if imbalance is None else imbalance
     each = moe_share(model) * dispatch_times(system, comm, model, c, imbalance, c.element)
     return each, each
 

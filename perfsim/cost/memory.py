@@ -221,7 +221,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
 
     layout = layout_of(model, c)
     autocast = fw.autocast
-    imbalance = experts.moe_imbalance(system)
+    imbalance = experts.moe_imbalance(system, model)
     per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
                  + ring_saved_bytes(model, c, e) + experts.layer_saved_delta(model, c, e, c.fp8, imbalance))
     in_flight = microbatches_in_flight(c, stage=pipeline.stage_index(c, stage))
