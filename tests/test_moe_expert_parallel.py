@@ -199,3 +199,15 @@ def test_a_capacity_factor_caps_the_imbalance():
     assert experts.moe_imbalance(system, dataclasses.replace(model, capacity_factor=1.1)) == pytest.approx(1.1)
     balanced = predict(model, forced_balance(system), _plan(), "fp8").time_breakdown_s["ep_comm"]
     assert predict(capped, system, _plan(), "fp8").time_breakdown_s["ep_comm"] == pytest.approx(balanced)
+
+
+def test_dispatch_buffers_by_hand():
+    """One layer's transient buffers, Qwen3 30B-A3B, bf16, mbs 1, t 1, EP 8: all-to-all: the
+    permuted copies and the all-to-all's output (2 x 32768 x 2048 x 2), the computed copies
+    (32768 x 2048 x 2) and FC1's SwiGLU output (32768 x 1536 x 2); all-gather: the group's
+    8 x 4096 gathered tokens in place of the two copies."""
+    model = load_model(QWEN)
+    fc1_out = 32768 * 1536 * 2
+    assert experts.dispatch_buffer_bytes(model, columns_of(_plan())) == 3 * 32768 * 2048 * 2 + fc1_out
+    gathered = columns_of(_plan(moe_dispatcher="allgather"))
+    assert experts.dispatch_buffer_bytes(model, gathered) == (8 * 4096 + 32768) * 2048 * 2 + fc1_out

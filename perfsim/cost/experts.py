@@ -339,7 +339,7 @@ def dispatch_buffer_bytes(model: ModelSpec, c: Columns, element=BF16, imbalance=
     computed = expert_tokens(model, c, imbalance)
     f = model.expert_ffn / c.expert_tp
     alltoall = e * h * (2 * sent + computed) + (2 * e if model.gated_mlp else e) * computed * f
-    gathered = e * h * c.expert_tp * c.ep * local_tokens(model, c)
+    gathered = c.expert_tp * c.ep * local_tokens(model, c)  # tokens of the whole ETP x EP group
     allgather = e * h * (gathered + computed) + (2 * e if model.gated_mlp else e) * computed * f
     return np.where(np.asarray(c.allgather) > 0, allgather, alltoall)
 
