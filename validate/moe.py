@@ -221,6 +221,8 @@ class MoE(nn.Module):
         tokens = x.reshape(b * s, h)
         t, k, e = tokens.shape[0], self.topk, self.experts_total
         chosen, probs = self.route(self.router(tokens))
+        if self.ep > 1 and self.dispatcher == "allgather":  # permuted after the gather (_allgather)
+            return self._shared(self._allgather(tokens, chosen, probs), x)
         flat = chosen.reshape(-1)  # token-major: pair n is token n // k, slot n % k
         order = torch.argsort(flat, stable=True)  # expert-major, tokens in order within an expert
         token_of = order // k
@@ -232,11 +234,8 @@ class MoE(nn.Module):
             counts = torch.bincount(flat, minlength=e).tolist()
         if self.ep == 1:
             out = self._experts(permuted, permuted_probs, counts)
-        elif self.dispatcher == "alltoall":
-            out = self._alltoall(permuted, permuted_probs, counts)
         else:
-            out = self._allgather(tokens, chosen, probs)
-            return self._shared(out, x)
+            out = self._alltoall(permuted, permuted_probs, counts)
         combined = unpermute(out, token_of, t)
         return self._shared(combined, x)
 
