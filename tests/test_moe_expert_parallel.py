@@ -211,3 +211,10 @@ def test_dispatch_buffers_by_hand():
     assert experts.dispatch_buffer_bytes(model, columns_of(_plan())) == 3 * 32768 * 2048 * 2 + fc1_out
     gathered = columns_of(_plan(moe_dispatcher="allgather"))
     assert experts.dispatch_buffer_bytes(model, gathered) == (8 * 4096 + 32768) * 2048 * 2 + fc1_out
+
+
+def test_plans_written_before_expert_parallelism_still_load():
+    """A plan dict without ep, etp, moe_dispatcher and ep_overlap (ledgers, Slurm jobs written
+    before them) builds the plan it stood for: no expert parallelism."""
+    old = {k: v for k, v in Plan(tp=2, dp=4).as_dict().items() if k not in ("ep", "etp", "moe_dispatcher", "ep_overlap")}
+    assert Plan(**old) == Plan(tp=2, dp=4) and Plan(**old).ep == 1 and Plan(**old).expert_tp == 2
