@@ -124,7 +124,8 @@ def _add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in ca
                         "(default: the profile's framework.tp_overlap where the plan has --sp)")
     g.add_argument("--ep", type=_positive, help="expert parallelism: ranks sharing each MoE layer's routed experts "
                    "(default 1; etp x ep must divide tp x cp x dp: Megatron-Core's parallel folding)")
-    g.add_argument("--etp", type=_positive, help="tensor parallelism inside each expert (default: --tp, as Megatron-Core)")
+    g.add_argument("--etp", type=whole_number(0, 2**40),
+                   help="tensor parallelism inside each expert (default, or 0: --tp, as Megatron-Core)")
     g.add_argument("--moe-dispatcher", dest="moe_dispatcher", choices=("alltoall", "allgather"),
                    help="how tokens reach their experts: all-to-all over the EP group, or all-gather and "
                         "reduce-scatter over ETP x EP (default alltoall)")

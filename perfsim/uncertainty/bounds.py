@@ -32,7 +32,7 @@ FASTER_WHEN_HIGHER = {
                      "sp_layer_overhead_s", "layer_overhead_s", "microbatch_overhead_s", "reduce_scatter_input_copies",
                      "flash_score_s", "optimizer_bytes_per_param", "grad_accumulation_bytes_per_param",
                      "tp_comm_sms", "dp_comm_sms", "cp_comm_sms", "grad_buffer_pass_bytes_per_param",
-                     "workspace_bytes", "rank_jitter"), False),
+                     "workspace_bytes", "rank_jitter", "imbalance", "expert_kernel_host_s"), False),
 }
 
 
