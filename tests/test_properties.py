@@ -20,7 +20,7 @@ SYSTEMS = ("dgx-a100", "smng-p2")
 MODELS = {name: load_model(name) for name in PRESETS}
 SYS = {name: load_system(name) for name in SYSTEMS}
 
-TIME_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
+TIME_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other",
              "synchrony")
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "total")
 
