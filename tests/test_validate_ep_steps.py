@@ -1,6 +1,7 @@
 """`perfsim validate` on a model with experts: its default plan sets hold expert-parallel plans at 2
 and 4 ranks (validate.timing.expert_plans), and the timed steps of those at 2 ranks
-(validate.steps -> validate.expert_parallel, bf16 on gloo) count what perfsim predicts: FLOPs
+(validate.steps -> validate.expert_parallel, bf16 on gloo; EP over data-parallel ranks and folded
+into the attention's tensor-parallel ones) count what perfsim predicts: FLOPs
 exactly, the all-to-all bytes exactly up to the probabilities' all-to-all
 (validate.moe_check.named_differences), memory near it. tests/test_validate_moe.py checks the
 layer and the step rank by rank against a single-process run."""
@@ -24,15 +25,16 @@ EXPERTS = "ep" in Plan.__dataclass_fields__
 @pytest.mark.skipif(not EXPERTS, reason="a perfsim without expert parallelism")
 def test_default_plan_sets_of_a_model_with_experts_hold_expert_parallel_plans():
     model = load_model(MOE)
-    two = [(p.dp, p.ep, p.moe_dispatcher, p.recompute) for p in timing.default_plans(2, model)]
-    assert two == [(2, 2, "alltoall", "none"), (2, 2, "allgather", "none"), (2, 2, "alltoall", "selective"),
-                   (2, 1, "alltoall", "none")]
+    two = [(p.tp, p.dp, p.ep, p.moe_dispatcher, p.recompute) for p in timing.default_plans(2, model)]
+    assert two == [(1, 2, 2, "alltoall", "none"), (1, 2, 2, "allgather", "none"), (1, 2, 2, "alltoall", "selective"),
+                   (1, 2, 1, "alltoall", "none"), (2, 1, 2, "alltoall", "none")]
     four = [(p.dp, p.ep, p.moe_dispatcher) for p in timing.default_plans(4, model)]
     assert (4, 4, "alltoall") in four and (4, 2, "alltoall") in four and (4, 4, "allgather") in four
     assert all(not timing.harness_problems(p, model) for p in timing.default_plans(4, model))
     dense = load_model(MOE.split(",experts=")[0])
     assert all(p.ep == 1 for p in timing.default_plans(2, dense) + timing.default_plans(4, dense))
-    assert timing.harness_problems(Plan(tp=2, dp=2, ep=2), model)  # experts beside tensor parallelism: not run
+    assert timing.harness_problems(Plan(tp=2, sp=True, dp=2, ep=2, etp=1), model)  # tp beside dp: not run
+    assert timing.harness_problems(Plan(tp=2, sp=True, ep=2), model)  # etp = tp: tensor-parallel experts, not run
 
 
 @pytest.mark.multiprocess
@@ -47,7 +49,7 @@ def test_perfsim_validate_times_a_model_with_experts_default_plans(run_cli, tmp_
                 "--speed-tolerance", "inf", "--ledger", str(tmp_path / "l.jsonl"), "--json")
     assert r.code == 0, r.err
     entries = r.json()
-    assert len(entries) == 4
+    assert len(entries) == 5
     for e in entries:
         plan = Plan(**e["plan"])
         assert e["flops"]["counted"] == e["flops"]["predicted"], e["label"]

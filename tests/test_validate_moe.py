@@ -1,8 +1,10 @@
 """The harness's mixture-of-experts layer and expert-parallel steps (validate/moe.py): the layer
 against the textbook formula in one process, and real steps of 2 and 4 gloo ranks
-(validate/moe_check.py) against a single-process run of the same model and against the counts
-written out from the shapes (FLOPs, bytes each rank sends in the all-to-alls, gradient
-all-reduces, what one MoE layer keeps for backward); a wrong all-to-all backward is caught."""
+(validate/moe_check.py: EP over data-parallel ranks with expert-DP, EP folded into the attention's
+tensor-parallel ranks with SP, both dispatchers, top-k routing, full recomputation) against a
+single-process run of the same model, against the counts written out from the shapes (FLOPs,
+bytes each rank sends in the all-to-alls, gradient all-reduces, what one MoE layer keeps for
+backward) and against perfsim's; a wrong all-to-all backward is caught."""
 
 from __future__ import annotations
 
@@ -97,10 +99,12 @@ def test_flops_bytes_and_saved_activations_equal_the_count(results):
             continue
         assert rank["flops"] == hand["flops"], name
         assert sent.get("all_to_all", 0) == hand["all_to_all_bytes"], name
-        assert sent["all_reduce"] == pytest.approx(hand["all_reduce_bytes"], rel=1e-12), name
+        if hand["all_reduce_bytes"] is not None:  # tensor parallelism's are tests/test_validate_gpt.py's
+            assert sent["all_reduce"] == pytest.approx(hand["all_reduce_bytes"], rel=1e-12), name
         assert rank["moe_layer_saved_bytes"] == hand["moe_layer_saved_bytes"], name
         if case["plan"]["ep"] > 1 and case["plan"]["moe_dispatcher"] == "alltoall":
-            assert sent["all_to_all"] > 0 and "all_gather" not in sent, name
+            assert sent["all_to_all"] > 0, name
+            assert "all_gather" not in sent or case["plan"]["tp"] > 1, name  # SP's gathers beside tensor parallelism
 
 
 @pytest.mark.multiprocess

@@ -35,35 +35,46 @@ def step_problems(plan, model) -> list:
     """What of a plan with experts (or ep > 1) ExpertParallelStep does not run."""
     problems = []
     ep = plan_ep(plan)
-    if plan.tp > 1 or plan.pp > 1 or getattr(plan, "cp", 1) > 1 or plan.sp:
-        problems.append("the harness runs experts with data parallelism alone (tp = pp = cp = 1, no SP)")
+    if plan.pp > 1 or getattr(plan, "cp", 1) > 1:
+        problems.append("the harness runs experts without pipeline or context parallelism (pp = cp = 1)")
+    if plan.tp > 1 and (not plan.sp or plan.dp > 1 or plan.tp_mode != "1d"):
+        problems.append("the harness runs experts beside tensor parallelism with 1d + SP and dp = 1 (tp x ep folding)")
+    if plan.tp == 1 and plan.sp:
+        problems.append("sequence parallelism needs tp > 1")
     if plan.zero:
         problems.append("the harness's expert-parallel step reduces whole gradients (zero = 0)")
-    if (getattr(plan, "etp", 1) or 1) > 1:
+    if (getattr(plan, "etp", 0) or plan.tp) > 1:
         problems.append("the harness's experts are not tensor-parallel (etp = 1)")
-    if plan.dp % ep:
-        problems.append(f"ep ({ep}) must divide the data-parallel ranks ({plan.dp})")
+    if (plan.tp * plan.dp) % ep:
+        problems.append(f"ep ({ep}) must divide the ranks tp x dp ({plan.tp * plan.dp})")
     if model is not None and ep > 1 and (not getattr(model, "experts", 0) or model.experts % ep):
         problems.append(f"ep ({ep}) must divide the model's experts ({getattr(model, 'experts', 0)})")
     return problems
 
 
 class ExpertParallelStep:
-    """One optimizer step of a GPT with experts over `plan.dp` ranks: each rank its own rows
-    (micro-batch rows r x rows ... of the global batch), the attention and the other dense
-    parameters replicated (data parallel), the routed experts over EP x expert-DP (`expert_groups`).
+    """One optimizer step of a GPT with experts over tp x dp ranks, the routed experts folded over
+    them as EP x expert-DP (`expert_groups`: EP groups of consecutive ranks, tp innermost).
 
-    Gradients live in one flat buffer per reduction group (dense: every rank; experts: the
-    expert-DP group), as Megatron-Core's gradient buffers, scaled by 1 / dp and all-reduced after
-    the last micro-batch (Megatron-Core's DDP without overlap: the dense gradients' mean over the
-    data-parallel ranks, the experts' sum over their expert-DP ranks over dp, since each expert
-    saw tokens of all its EP group's ranks)."""
+    dp > 1 (tp = 1): each rank its own rows (micro-batch rows r x rows ... of the global batch), the
+    attention and the other dense parameters replicated. Gradients live in one flat buffer per
+    reduction group (dense: every rank; experts: the expert-DP group), as Megatron-Core's gradient
+    buffers, scaled by 1 / dp and all-reduced after the last micro-batch (Megatron-Core's DDP
+    without overlap: the dense gradients' mean over the data-parallel ranks, the experts' sum over
+    their expert-DP ranks over dp, since each expert saw tokens of all its EP group's ranks).
+
+    tp > 1 (1d + SP, dp = 1): Megatron-Core's folding of the attention's tensor-parallel ranks
+    into expert-parallel ones: validate.gpt.parallelize shards the attention (and the shared
+    expert) as for a dense model, each rank's MoE routes its sequence shard's tokens
+    (validate.gpt.layer_plan); the dense gradients are finished as a tensor-parallel model's
+    (validate.gpt.GPT.finish_gradients: the sequence-parallel ones and the routers summed), the
+    experts' summed over their expert-DP group (tp / ep ranks)."""
 
     def __init__(self, plan, model, device, dtype, reference=None):
         import torch
         import torch.distributed as dist
 
-        from validate.gpt import GPT, GPTConfig
+        from validate.gpt import GPT, GPTConfig, parallelize
         from validate.moe import moe_layers
         from validate.optim import MasterAdam
         from validate.training import synthetic_batches
@@ -71,38 +82,46 @@ class ExpertParallelStep:
         problems = step_problems(plan, model)
         if problems:
             raise ValueError("; ".join(problems))
-        if dist.get_world_size() != plan.dp:
-            raise ValueError(f"the plan runs on {plan.dp} ranks, the job has {dist.get_world_size()}")
-        self.ep = plan_ep(plan)
-        self.dp = plan.dp
+        if dist.get_world_size() != plan.tp * plan.dp:
+            raise ValueError(f"the plan runs on {plan.tp * plan.dp} ranks, the job has {dist.get_world_size()}")
+        self.ep, self.dp, self.tp = plan_ep(plan), plan.dp, plan.tp
         if reference is None:
             torch.manual_seed(0)
-            reference = GPT(GPTConfig.from_spec(model, 1, plan.recompute, plan.attention))
-        net = copy.deepcopy(reference)
+            reference = GPT(GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention))
+        net = copy.deepcopy(reference).to(device=device, dtype=dtype)
+        if self.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            parallelize(net, init_device_mesh(device.type, (self.tp,)), plan.sp)
         self.ep_group, self.edp_group = expert_groups(self.ep)
         if self.ep > 1:
             for layer in moe_layers(net):
                 layer.shard(self.ep_group, getattr(plan, "moe_dispatcher", "alltoall") or "alltoall")
-        self.module = net.to(device=device, dtype=dtype)
+        self.module = net
         self._buffers = self._gradient_buffers()
         self.optimizer = MasterAdam(self.module.parameters())
         self.optimizer.init_states()
         rows = plan.microbatches * plan.mbs
         tokens, targets = synthetic_batches(plan.dp * rows, model.seq, model.vocab)
-        mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+        member = dist.get_rank() // self.tp  # data-parallel member (tp innermost)
+        mine = slice(member * rows, (member + 1) * rows)
         self.batches = list(zip(tokens[mine].to(device).split(plan.mbs), targets[mine].to(device).split(plan.mbs)))
 
     def _gradient_buffers(self) -> list:
-        """[(flat buffer, group or None)]: the dense gradients' and the experts', each parameter's
-        .grad a view into its buffer (backward accumulates in place)."""
+        """[(flat buffer, group or None, scale)]: the dense gradients' (dp > 1) and the experts',
+        each parameter's .grad a view into its buffer (backward accumulates in place). Under
+        tensor parallelism the dense gradients are DTensors, finished by the model."""
         import torch.distributed as dist
 
         from validate.moe import is_expert_parameter
 
         dense = [p for n, p in self.module.named_parameters() if not is_expert_parameter(n)]
         experts = [p for n, p in self.module.named_parameters() if is_expert_parameter(n)]
+        groups = [(experts, self.edp_group, self.tp * self.dp // self.ep)]
+        if self.tp == 1:
+            groups.insert(0, (dense, dist.group.WORLD, self.dp))
         out = []
-        for params, group, size in ((dense, dist.group.WORLD, self.dp), (experts, self.edp_group, self.dp // self.ep)):
+        for params, group, size in groups:
             if not params:
                 continue
             flat = params[0].new_zeros(sum(p.numel() for p in params))
@@ -110,7 +129,7 @@ class ExpertParallelStep:
             for p in params:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            out.append((flat, group if size > 1 else None))
+            out.append((flat, group if size > 1 else None, 1.0 / self.dp))
         return out
 
     def forward_backward(self) -> float:
@@ -124,8 +143,10 @@ class ExpertParallelStep:
     def finish_gradients(self) -> None:
         import torch.distributed as dist
 
-        for flat, group in self._buffers:
-            flat.mul_(1.0 / self.dp)
+        if self.tp > 1:
+            self.module.finish_gradients()
+        for flat, group, scale in self._buffers:
+            flat.mul_(scale)
             if group is not None:
                 dist.all_reduce(flat, group=group)
 
@@ -133,8 +154,14 @@ class ExpertParallelStep:
         loss = self.forward_backward()
         self.finish_gradients()
         self.optimizer.step()
-        for flat, _ in self._buffers:
+        for flat, _, _ in self._buffers:
             flat.zero_()
+        if self.tp > 1:  # the DTensor gradients, as a tensor-parallel step drops them
+            from validate.moe import is_expert_parameter
+
+            for n, p in self.module.named_parameters():
+                if not is_expert_parameter(n):
+                    p.grad = None
         return loss
 
 

@@ -341,13 +341,17 @@ class GPT(nn.Module):
         """Sum the partial gradients of parameters used sequence-split in one all-reduce of them
         all, as Megatron's finalize step does for its sequence-parallel parameters: the position
         embedding, and the LayerNorms under SequenceParallel, whose DTensor gradients backward
-        leaves Partial (unreduced)."""
+        leaves Partial (unreduced), and the routers of MoE layers (validate.moe), plain weights
+        each rank uses on its own sequence shard."""
         if not self.sp:
             return
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Replicate
 
         pending = [(self.pos, self.pos.grad)] if self.pos is not None and self.pos.grad is not None else []
+        # the routers of MoE layers (plain, replicated weights), each rank routing its sequence shard
+        pending += [(b.mlp.router.weight, b.mlp.router.weight.grad) for b in self.blocks
+                    if hasattr(b.mlp, "router") and b.mlp.router.weight.grad is not None]
         for p in self.parameters():
             g = p.grad
             if g is not None and hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
@@ -384,12 +388,15 @@ def parallelize(model: GPT, mesh, sp: bool) -> GPT:
 
     tp = mesh.size()
     cfg = model.cfg
+    if cfg.experts and not sp:
+        raise ValueError("a mixture of experts under tensor parallelism needs sequence parallelism (sp), as "
+                         "Megatron-Core requires")
     if cfg.heads % tp or cfg.kv_heads % tp or cfg.ffn % tp or cfg.vocab % tp or (sp and cfg.seq % tp):
         raise ValueError(f"heads ({cfg.heads}), kv_heads ({cfg.kv_heads}), ffn ({cfg.ffn}), vocab "
                          f"({cfg.vocab}){' and seq' if sp else ''} must divide by tp={tp}")
     region = Shard(1) if sp else Replicate()
     for block in model.blocks:
-        parallelize_module(block, mesh, layer_plan(sp))
+        parallelize_module(block, mesh, layer_plan(sp, block.mlp))
     top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=region),
            "head": ColwiseParallel(input_layouts=region, output_layouts=Shard(-1))}
     if sp:
@@ -399,18 +406,30 @@ def parallelize(model: GPT, mesh, sp: bool) -> GPT:
     return model
 
 
-def layer_plan(sp: bool) -> dict:
+def layer_plan(sp: bool, mlp=None) -> dict:
     """torch.distributed.tensor.parallel's plan for one transformer layer (Block): QKV and FC1
     column-parallel, the projection and FC2 row-parallel; with SP the LayerNorms sequence-split
-    and the region between them entered by an all-gather and left by a reduce-scatter."""
+    and the region between them entered by an all-gather and left by a reduce-scatter. A MoE
+    layer's `mlp` (validate.moe.MoE, SP only) takes the rank's sequence shard as a plain tensor
+    (its router and dispatch work on the shard's tokens) and hands its output back as the
+    shard; its shared expert is column- and row-parallel as a dense MLP, gathering the sequence."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel,
+                                                   SequenceParallel)
 
     region = Shard(1) if sp else Replicate()
     plan = {"attn.qkv": ColwiseParallel(input_layouts=region), "attn.proj": RowwiseParallel(output_layouts=region),
             "mlp.fc1": ColwiseParallel(input_layouts=region), "mlp.fc2": RowwiseParallel(output_layouts=region)}
     if sp:
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
+    if hasattr(mlp, "router"):
+        del plan["mlp.fc1"], plan["mlp.fc2"]
+        plan["mlp"] = PrepareModuleInputOutput(input_layouts=(region,), desired_input_layouts=(region,),
+                                               use_local_input=True, output_layouts=(region,),
+                                               desired_output_layouts=(region,), use_local_output=True)
+        if mlp.shared is not None:
+            plan.update({"mlp.shared.fc1": ColwiseParallel(input_layouts=region),
+                         "mlp.shared.fc2": RowwiseParallel(output_layouts=region)})
     return plan
 
 

@@ -34,7 +34,7 @@ MBS, MICROBATCHES = 2, 2
 SYSTEM = "cpu-example"
 
 CASES = {
-    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2", "ep2-dp2-full"],
+    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2", "ep2-dp2-full", "ep2-tp2", "ep1-tp2"],
     4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk"],
 }
 
@@ -62,17 +62,20 @@ class CasePlan:
 
     @property
     def devices(self) -> int:
-        return self.dp
+        return self.tp * self.dp
 
 
 def case_plan(name: str):
     """"ep2-dp4", "ep2-dp2-allgather", "ep4-dp4-topk" (routing is the case's, not the plan's),
-    "ep2-dp2-full" (full recomputation: the layer's forward, all-to-alls included, again in backward)."""
+    "ep2-dp2-full" (full recomputation: the layer's forward, all-to-alls included, again in backward),
+    "ep2-tp2" (1d + SP, experts not tensor-parallel: the attention's ranks folded into EP)."""
     fields = {"moe_dispatcher": "allgather" if name.endswith("allgather") else "alltoall",
-              "recompute": "full" if name.endswith("full") else "none"}
+              "recompute": "full" if name.endswith("full") else "none", "dp": 1}
     for part in name.split("-"):
-        if part[:2] in ("ep", "dp"):
+        if part[:2] in ("ep", "dp", "tp"):
             fields[part[:2]] = int(part[2:])
+    if fields.get("tp", 1) > 1:
+        fields.update(sp=True, etp=1)
     fields["gbs"] = MBS * MICROBATCHES * fields["dp"]
     from perfsim.spec.plan import Plan
 
@@ -85,21 +88,23 @@ def case_routing(name: str) -> str:
     return "topk" if name.endswith("topk") else "balanced"
 
 
-def gemm_forward_flops(model, tokens: int, received: int, local_experts: int, moe: bool) -> int:
-    """Forward matrix FLOPs of one layer on `tokens` tokens (tp = 1, the unfused core: baddbmm and
-    bmm over the full s x s square), its experts on `received` token copies."""
+def gemm_forward_flops(model, tokens: int, received: int, moe: bool, tp: int = 1) -> int:
+    """Forward matrix FLOPs of one layer on `tokens` tokens on one of `tp` tensor-parallel ranks
+    (1d: the attention's and the dense or shared MLP's columns / tp; the unfused core: baddbmm and
+    bmm over the full s x s square of heads / tp), its router on the rank's tokens / tp (its
+    sequence shard) and its experts on `received` token copies."""
     h, a, s = model.hidden, model.heads, model.seq
     d = h // a
     kv = model.kv_head_count * d
-    f = 2 * tokens * h * (h + 2 * kv) + 2 * tokens * h * h  # QKV, projection
-    f += 2 * 2 * (tokens // s) * a * s * s * d  # QK^T and AV
+    f = (2 * tokens * h * (h + 2 * kv) + 2 * tokens * h * h) // tp  # QKV, projection
+    f += 2 * 2 * (tokens // s) * (a // tp) * s * s * d  # QK^T and AV
     glu = 2 if model.activation == "swiglu" else 1
     if not moe:
-        return f + 2 * tokens * h * glu * model.ffn_size + 2 * tokens * model.ffn_size * h
-    f += 2 * tokens * h * model.experts  # router
+        return f + (2 * tokens * h * glu * model.ffn_size + 2 * tokens * model.ffn_size * h) // tp
+    f += 2 * (tokens // tp) * h * model.experts  # router
     f += 2 * received * h * glu * model.expert_ffn + 2 * received * model.expert_ffn * h
     if model.shared_expert_ffn:
-        f += 2 * tokens * h * glu * model.shared_expert_ffn + 2 * tokens * model.shared_expert_ffn * h
+        f += (2 * tokens * h * glu * model.shared_expert_ffn + 2 * tokens * model.shared_expert_ffn * h) // tp
     return f
 
 
@@ -109,26 +114,32 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
     layers' forward once more), bytes sent in the all-to-alls (dispatch of tokens and
     probabilities, combine; the same again backward, and forward again under full recomputation), the
     gradient all-reduces (dense over dp, experts over dp / ep), and what one MoE layer keeps."""
-    ep, t, k = plan.ep, plan.mbs * model.seq, model.topk
-    received = t * k  # balanced: every rank gets T k / ep copies from each of ep ranks
+    ep, t, k, tp = plan.ep, plan.mbs * model.seq, model.topk, plan.tp
+    received = t // tp * k  # balanced: every rank gets T k / (tp ep) copies from each of ep ranks' shards
     moe_layers = model.layers - model.dense_layers
-    layer_fwd = (model.dense_layers * gemm_forward_flops(model, t, received, model.experts // ep, False)
-                 + moe_layers * gemm_forward_flops(model, t, received, model.experts // ep, True)
-                 + 2 * t * model.hidden * model.vocab)  # the head (vocab unpadded at tp 1 and 128-multiple sizes)
+    layer_fwd = (model.dense_layers * gemm_forward_flops(model, t, received, False, tp)
+                 + moe_layers * gemm_forward_flops(model, t, received, True, tp)
+                 + 2 * t * model.hidden * model.vocab // tp)  # the head (a 128 x tp multiple vocabulary: unpadded)
     passes = 3 if plan.recompute != "full" else 4  # full recomputation: every layer's forward again
     # (the head's not: checkpointed are the transformer layers)
-    flops = (passes * layer_fwd - (passes - 3) * 2 * t * model.hidden * model.vocab) * plan.microbatches
-    sent = t * k * (ep - 1) // ep  # token copies a rank sends to the others in one all-to-all
+    flops = (passes * layer_fwd - (passes - 3) * 2 * t * model.hidden * model.vocab // tp) * plan.microbatches
+    sent = received * (ep - 1) // ep  # token copies a rank sends to the others in one all-to-all
     h = model.hidden
     bytes_a2a = 0 if ep == 1 or plan.moe_dispatcher != "alltoall" else \
         (passes - 1) * (2 * sent * h + sent) * element_bytes * moe_layers * plan.microbatches
-    edp = plan.dp // ep
-    reduce = (2 * (plan.dp - 1) / plan.dp * dense_params + 2 * (edp - 1) / edp * expert_params) * element_bytes
+    edp = plan.dp * tp // ep
+    # tensor parallelism: its all-reduces (sequence-parallel gradients, the vocabulary-parallel
+    # loss) are tests/test_validate_gpt.py's; not counted here
+    reduce = None if tp > 1 else \
+        (2 * (plan.dp - 1) / plan.dp * dense_params + 2 * (edp - 1) / edp * expert_params) * element_bytes
     glu = 2 if model.activation == "swiglu" else 1
     f, fs = model.expert_ffn, model.shared_expert_ffn
-    saved = (t * h + t * k  # router input (the layer's input), the top-k softmax (fp32 here as the run)
+    # the shared expert's FC1 input is the router's, or under SP the sequence its column-parallel
+    # FC1 gathers (DTensor keeps the gathered copy)
+    shared = (t * (glu * fs + fs) // tp + (t * h if tp > 1 else 0)) if fs else 0
+    saved = (t // tp * h + t // tp * k  # router input (the layer's input), the top-k softmax (fp32 here as the run)
              + received * (h + glu * f + 1 + f)  # FC1 input, SwiGLU input, probability, FC2 input
-             + (t * (glu * fs + fs) if fs else 0)) * element_bytes  # the shared expert (its FC1 input is the router's)
+             + shared) * element_bytes
     return {"flops": flops, "all_to_all_bytes": bytes_a2a, "all_reduce_bytes": reduce, "moe_layer_saved_bytes": saved}
 
 
@@ -171,13 +182,18 @@ def named_differences(model, plan, element_bytes: int) -> dict:
       experts' activation); - perfsim's fp32 probabilities over every expert [T, E]; - its fp32
       top-k scores and int64 indices per copy (the harness keeps the indices, integer storages
       SavedBytes counts apart); - its experts' outputs kept for the unpermutation's weighting by
-      the probabilities (Megatron-Core before 0.13)."""
+      the probabilities (Megatron-Core before 0.13); under SP (tp > 1) + the sequence the shared
+      expert's column-parallel FC1 gathers, which DTensor keeps and Megatron-Core gathers again in
+      backward (the GPT's named SP difference, docs/real-steps.md "SP keeps the gathered linear
+      inputs")."""
     e, h, k = element_bytes, model.hidden, model.topk
-    t = plan.mbs * model.seq
+    t = plan.mbs * model.seq // plan.tp  # the rank's tokens: its sequence shard under SP
     copies = t * k  # sent by a rank, and (balanced) received by its local experts
     sent = copies * (plan.ep - 1) // plan.ep if plan.moe_dispatcher == "alltoall" else 0
     layers = model.layers - model.dense_layers
     saved = t * h * e + 4 * t * k + e * copies - 4 * t * model.experts - (4 + 8) * copies - e * h * copies
+    if plan.tp > 1 and model.shared_expert_ffn:  # SP's gathered input of the shared expert's FC1
+        saved += plan.mbs * model.seq * h * e
     return {"all_to_all_bytes": directions(plan) * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
 
 
@@ -198,7 +214,8 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     model = load_model(model_spec)
     plan = case_plan(name)
     rank = dist.get_rank()
-    cfg = dataclasses.replace(GPTConfig.from_spec(model, 1, plan.recompute, plan.attention), routing=case_routing(name))
+    cfg = dataclasses.replace(GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention),
+                              routing=case_routing(name))
     torch.manual_seed(0)
     reference = GPT(cfg)
     step = ExpertParallelStep(plan, model, torch.device("cpu"), torch.float32, reference=reference)
@@ -229,23 +246,25 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
             parts[i] = str(ep_rank * local + int(parts[i]))
             ref_name = ".".join(parts)
         ref = ref_grads[ref_name].grad
-        worst = max(worst, float((p.grad - ref).abs().max()))
+        mine = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a tensor-parallel shard: whole
+        worst = max(worst, float((mine - ref).abs().max()))
         largest = max(largest, float(ref.abs().max()))
 
     # what one MoE layer keeps for backward, its forward alone on this rank's first micro-batch
     layer = moe_layers(step.module)[0]
-    leaf = torch.randn(plan.mbs, model.seq, model.hidden, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    leaf = torch.randn(plan.mbs, model.seq // plan.tp, model.hidden, generator=torch.Generator().manual_seed(rank),
+                       requires_grad=True)  # the rank's sequence shard under SP
     x = leaf * 1.0  # an activation, as the norm's output (SavedBytes skips leaves as parameters)
     kept = SavedBytes(step.module.parameters())
     with kept.hooks():
         out = layer(x)
-    out.sum().backward()
+    (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
 
     dense = sum(p.numel() for n, p in step.module.named_parameters() if not is_expert_parameter(n))
     expert = sum(p.numel() for n, p in step.module.named_parameters() if is_expert_parameter(n))
     sent = comms.by_kind()
     balanced = case_routing(name) == "balanced"
-    return {"rank": rank, "loss": float(every_loss) / plan.dp, "reference_loss": ref_loss,
+    return {"rank": rank, "loss": float(every_loss) / dist.get_world_size(), "reference_loss": ref_loss,
             "grad_max_abs_error": worst, "grad_max_abs": largest,
             "flops": flops.total(), "sent_bytes_by_kind": sent,
             "moe_layer_saved_bytes": kept.peak,
