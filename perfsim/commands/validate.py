@@ -61,7 +61,8 @@ def register(sub) -> None:
     _add_plan_flags(p, left_out="with --device, a set of at least 12 plans over --nproc ranks: 1d tensor parallelism "
                                 "with and without SP under each recompute mode, the three pipeline schedules, ZeRO 0-3 "
                                 "(a model with experts: expert parallelism with each dispatcher, beside expert-DP at 4 "
-                                "ranks, and ep 1); with --megatron-log, as perfsim predict")
+                                "ranks, folded into 1d + SP tensor parallelism, and ep 1); with --megatron-log, as "
+                                "perfsim predict")
     p.add_argument("--json", action="store_true", help="print one JSON list, an object per plan (a Megatron-DeepSpeed "
                                                        "log: one object)")
     _add_slurm_flags(p)
