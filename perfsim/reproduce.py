@@ -453,6 +453,24 @@ def moe_table(system: System | None = None) -> list[tuple[MoeRow, Prediction]]:
     return [(row, moe_best(row, system)) for row in MOE_H100]
 
 
+def fit_moe_expert_host(system: System | None = None, values_us=tuple(range(0, 101, 5))) -> tuple:
+    """(value in s, mean absolute step error, {value: error}) of moe.expert_kernel_host_s that gives
+    the MOE_H100 rows the smallest mean absolute step-time error, every other number as the profile
+    has it, over `values_us` microseconds (the search's choice of recomputation makes the error
+    piecewise, so a grid, no gradient; about 4 s a value)."""
+    import dataclasses
+
+    import numpy as np
+
+    system = system or load_system("dgx-h100")
+    errors = {}
+    for us in values_us:
+        trial = dataclasses.replace(system, moe=dataclasses.replace(system.moe, expert_kernel_host_s=us * 1e-6))
+        errors[us * 1e-6] = float(np.mean([abs(p.step_time_s / row.step_s - 1) for row, p in moe_table(trial)]))
+    best = min(errors, key=errors.get)
+    return best, errors[best], errors
+
+
 def moe_markdown(rows) -> str:
     out = ["| release | model | GPUs | dtype | GBS | MBS | TP | PP | VP | EP | chosen ETP, recompute | predicted step | "
            "derived step | error | compute | EP comm | bubble | memory |",
