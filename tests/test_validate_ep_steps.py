@@ -25,16 +25,18 @@ EXPERTS = "ep" in Plan.__dataclass_fields__
 @pytest.mark.skipif(not EXPERTS, reason="a perfsim without expert parallelism")
 def test_default_plan_sets_of_a_model_with_experts_hold_expert_parallel_plans():
     model = load_model(MOE)
-    two = [(p.tp, p.dp, p.ep, p.moe_dispatcher, p.recompute) for p in timing.default_plans(2, model)]
-    assert two == [(1, 2, 2, "alltoall", "none"), (1, 2, 2, "allgather", "none"), (1, 2, 2, "alltoall", "selective"),
-                   (1, 2, 1, "alltoall", "none"), (2, 1, 2, "alltoall", "none")]
+    two = [(p.tp, p.dp, p.ep, p.expert_tp, p.moe_dispatcher, p.recompute) for p in timing.default_plans(2, model)]
+    assert two == [(1, 2, 2, 1, "alltoall", "none"), (1, 2, 2, 1, "allgather", "none"),
+                   (1, 2, 2, 1, "alltoall", "selective"), (1, 2, 1, 1, "alltoall", "none"),
+                   (2, 1, 2, 1, "alltoall", "none"), (2, 1, 1, 2, "alltoall", "none")]
     four = [(p.dp, p.ep, p.moe_dispatcher) for p in timing.default_plans(4, model)]
     assert (4, 4, "alltoall") in four and (4, 2, "alltoall") in four and (4, 4, "allgather") in four
     assert all(not timing.harness_problems(p, model) for p in timing.default_plans(4, model))
     dense = load_model(MOE.split(",experts=")[0])
     assert all(p.ep == 1 for p in timing.default_plans(2, dense) + timing.default_plans(4, dense))
     assert timing.harness_problems(Plan(tp=2, sp=True, dp=2, ep=2, etp=1), model)  # tp beside dp: not run
-    assert timing.harness_problems(Plan(tp=2, sp=True, ep=2), model)  # etp = tp: tensor-parallel experts, not run
+    assert not timing.harness_problems(Plan(tp=2, sp=True), model)  # etp = tp: tensor-parallel experts
+    assert timing.harness_problems(Plan(tp=2, sp=True, moe_dispatcher="allgather"), model)
 
 
 @pytest.mark.multiprocess
@@ -49,7 +51,7 @@ def test_perfsim_validate_times_a_model_with_experts_default_plans(run_cli, tmp_
                 "--speed-tolerance", "inf", "--ledger", str(tmp_path / "l.jsonl"), "--json")
     assert r.code == 0, r.err
     entries = r.json()
-    assert len(entries) == 5
+    assert len(entries) == 6
     for e in entries:
         plan = Plan(**e["plan"])
         assert e["flops"]["counted"] == e["flops"]["predicted"], e["label"]

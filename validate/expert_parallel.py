@@ -1,6 +1,6 @@
-"""The training step of plans with experts (validate.moe's layers): data parallelism of the
-attention and the other dense parameters over every rank, the routed experts over EP x expert-DP
-as Megatron-Core folds them (tp = etp = cp = pp = 1 here)."""
+"""The training step of plans with experts (validate.moe's layers): the attention over tp x dp ranks
+(data parallel, or 1d + SP tensor parallel), the routed experts folded over ETP x EP x expert-DP of
+the same ranks as Megatron-Core folds them (pp = cp = 1 here)."""
 
 from __future__ import annotations
 
@@ -11,24 +11,30 @@ def plan_ep(plan) -> int:
     return getattr(plan, "ep", 1) or 1
 
 
-def expert_groups(ep: int):
-    """(this rank's EP group, its expert-DP group) of the world's ranks: the experts laid out
-    tp-ep-dp as Megatron-Core's expert ranks (tp = etp = 1 here): EP groups of consecutive ranks,
-    an expert-DP group of the ranks at one place in their EP groups. Every rank makes every group,
-    in one order (torch.distributed.new_group's rule)."""
+def plan_etp(plan) -> int:
+    """Tensor parallelism inside the experts: etp, or the attention's tp where etp is 0."""
+    return getattr(plan, "etp", 0) or plan.tp
+
+
+def expert_groups(ep: int, etp: int = 1):
+    """(this rank's EP group, its expert-DP group, its ETP group) of the world's ranks, laid out
+    tp-ep-dp as Megatron-Core's expert ranks: ETP groups of etp consecutive ranks, EP groups of ep
+    ranks etp apart, an expert-DP group of the ranks at one place in their ETP x EP blocks. Every
+    rank makes every group, in one order (torch.distributed.new_group's rule)."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    block = ep * etp
+    layouts = {"etp": [list(range(start, start + etp)) for start in range(0, world, etp)],
+               "ep": [[b + j + i * etp for i in range(ep)] for b in range(0, world, block) for j in range(etp)],
+               "edp": [list(range(place, world, block)) for place in range(block)]}
     mine = {}
-    for start in range(0, world, ep):
-        g = dist.new_group(list(range(start, start + ep)))
-        if start <= rank < start + ep:
-            mine["ep"] = g
-    for place in range(ep):
-        g = dist.new_group(list(range(place, world, ep)))
-        if rank % ep == place:
-            mine["edp"] = g
-    return mine["ep"], mine["edp"]
+    for name, groups in layouts.items():
+        for members in groups:
+            g = dist.new_group(members)
+            if rank in members:
+                mine[name] = g
+    return mine["ep"], mine["edp"], mine["etp"]
 
 
 def step_problems(plan, model) -> list:
@@ -43,10 +49,14 @@ def step_problems(plan, model) -> list:
         problems.append("sequence parallelism needs tp > 1")
     if plan.zero:
         problems.append("the harness's expert-parallel step reduces whole gradients (zero = 0)")
-    if (getattr(plan, "etp", 0) or plan.tp) > 1:
-        problems.append("the harness's experts are not tensor-parallel (etp = 1)")
-    if (plan.tp * plan.dp) % ep:
-        problems.append(f"ep ({ep}) must divide the ranks tp x dp ({plan.tp * plan.dp})")
+    etp = plan_etp(plan)
+    if etp not in (1, plan.tp):
+        problems.append("the harness's experts are tensor-parallel over the attention's tp ranks or not at all "
+                        "(etp = tp or 1)")
+    if etp > 1 and getattr(plan, "moe_dispatcher", "alltoall") != "alltoall":
+        problems.append("the harness's tensor-parallel experts take the alltoall dispatcher")
+    if (plan.tp * plan.dp) % (ep * etp):
+        problems.append(f"ep x etp ({ep} x {etp}) must divide the ranks tp x dp ({plan.tp * plan.dp})")
     if model is not None and ep > 1 and (not getattr(model, "experts", 0) or model.experts % ep):
         problems.append(f"ep ({ep}) must divide the model's experts ({getattr(model, 'experts', 0)})")
     return problems
@@ -64,11 +74,12 @@ class ExpertParallelStep:
     their expert-DP ranks over dp, since each expert saw tokens of all its EP group's ranks).
 
     tp > 1 (1d + SP, dp = 1): Megatron-Core's folding of the attention's tensor-parallel ranks
-    into expert-parallel ones: validate.gpt.parallelize shards the attention (and the shared
-    expert) as for a dense model, each rank's MoE routes its sequence shard's tokens
-    (validate.gpt.layer_plan); the dense gradients are finished as a tensor-parallel model's
-    (validate.gpt.GPT.finish_gradients: the sequence-parallel ones and the routers summed), the
-    experts' summed over their expert-DP group (tp / ep ranks)."""
+    into expert-tensor- and expert-parallel ones (etp = tp, Megatron-Core's default, with ep 1;
+    or etp 1): validate.gpt.parallelize shards the attention (and the shared expert) as for a
+    dense model, each rank's MoE routes its sequence shard's tokens (validate.gpt.layer_plan);
+    the dense gradients are finished as a tensor-parallel model's (validate.gpt.GPT.finish_gradients:
+    the sequence-parallel ones and the routers summed), the experts' summed over their expert-DP
+    group (tp / (ep etp) ranks)."""
 
     def __init__(self, plan, model, device, dtype, reference=None):
         import torch
@@ -84,7 +95,7 @@ class ExpertParallelStep:
             raise ValueError("; ".join(problems))
         if dist.get_world_size() != plan.tp * plan.dp:
             raise ValueError(f"the plan runs on {plan.tp * plan.dp} ranks, the job has {dist.get_world_size()}")
-        self.ep, self.dp, self.tp = plan_ep(plan), plan.dp, plan.tp
+        self.ep, self.dp, self.tp, self.etp = plan_ep(plan), plan.dp, plan.tp, plan_etp(plan)
         if reference is None:
             torch.manual_seed(0)
             reference = GPT(GPTConfig.from_spec(model, plan.tp, plan.recompute, plan.attention))
@@ -93,10 +104,10 @@ class ExpertParallelStep:
             from torch.distributed.device_mesh import init_device_mesh
 
             parallelize(net, init_device_mesh(device.type, (self.tp,)), plan.sp)
-        self.ep_group, self.edp_group = expert_groups(self.ep)
-        if self.ep > 1:
+        self.ep_group, self.edp_group, etp_group = expert_groups(self.ep, self.etp)
+        if self.ep > 1 or self.etp > 1:
             for layer in moe_layers(net):
-                layer.shard(self.ep_group, getattr(plan, "moe_dispatcher", "alltoall") or "alltoall")
+                layer.shard(self.ep_group, getattr(plan, "moe_dispatcher", "alltoall") or "alltoall", etp_group)
         self.module = net
         self._buffers = self._gradient_buffers()
         self.optimizer = MasterAdam(self.module.parameters())
@@ -117,7 +128,7 @@ class ExpertParallelStep:
 
         dense = [p for n, p in self.module.named_parameters() if not is_expert_parameter(n)]
         experts = [p for n, p in self.module.named_parameters() if is_expert_parameter(n)]
-        groups = [(experts, self.edp_group, self.tp * self.dp // self.ep)]
+        groups = [(experts, self.edp_group, self.tp * self.dp // (self.ep * self.etp))]
         if self.tp == 1:
             groups.insert(0, (dense, dist.group.WORLD, self.dp))
         out = []

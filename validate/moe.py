@@ -11,6 +11,7 @@ One layer, on the T = b s tokens of this rank's micro-batch:
 | top-k | the k experts of each token (`routing`, below), their logits' softmax (fp32, cast back) | topk_softmax_with_capacity, pre-softmax off (the default) |
 | permutation | the (token, slot) pairs sorted by expert, stable (a token's copies in token order within each expert): index_select of the tokens and of the probabilities | moe_utils.permute (routing map, index_select) |
 | dispatch | alltoall: all_to_all_single of the permuted tokens and probabilities over the EP group with per-rank split sizes, then the received chunks regrouped from [source rank][local expert] to [local expert][source rank]; allgather: all-gather of every EP rank's tokens and probabilities, each rank taking its local experts' rows | MoEAlltoAllTokenDispatcher (all_to_all, sort_chunks_by_idxs) / MoEAllGatherTokenDispatcher |
+| expert TP | with etp > 1: the received copies and probabilities all-gathered over the ETP group, each member computing its FC1 columns and FC2 rows of every member's copies, the partial outputs reduce-scattered back | the dispatcher's gather and reduce-scatter over the expert-tensor-parallel group |
 | experts | E / ep local experts, each FC1 -> activation x probability -> FC2, one GEMM pair per expert on its rows (a loop: SequentialMLP's GEMMs, the grouped GEMM's FLOPs) | TEGroupedMLP: the probability applied after the activation (weighted_bias_swiglu) |
 | combine | the reverse: regroup, all_to_all_single back (alltoall) / reduce-scatter (allgather) | token_combine |
 | unpermutation | the expert outputs added into their tokens' rows (index_add) | moe_utils.unpermute (scatter_add) |
@@ -182,14 +183,18 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(make_mlp(cfg.expert_ffn) for _ in range(cfg.experts))
         self.shared = make_mlp(cfg.shared_expert_ffn) if cfg.shared_expert_ffn else None
         self.group, self.ep, self.ep_rank, self.dispatcher = None, 1, 0, "alltoall"
+        self.etp_group, self.etp = None, 1
 
     @property
     def local_experts(self) -> int:
         return self.experts_total // self.ep
 
-    def shard(self, group, dispatcher: str = "alltoall") -> None:
+    def shard(self, group, dispatcher: str = "alltoall", etp_group=None) -> None:
         """Keep the experts of this rank of the expert-parallel `group` (rank r: experts
-        r E/ep ... (r+1) E/ep - 1, Megatron-Core's), dispatching with `dispatcher`."""
+        r E/ep ... (r+1) E/ep - 1, Megatron-Core's), dispatching with `dispatcher`; with an
+        expert-tensor-parallel `etp_group`, member j keeps columns j/etp of each expert's FC1
+        (whole gate and up pairs) and the matching rows of its FC2 input, as Megatron-Core's
+        column- and row-parallel expert GEMMs."""
         import torch.distributed as dist
 
         if dispatcher not in DISPATCHERS:
@@ -200,6 +205,17 @@ class MoE(nn.Module):
         self.group, self.ep, self.ep_rank, self.dispatcher = group, ep, rank, dispatcher
         mine = self.experts_total // ep
         self.experts = nn.ModuleList(list(self.experts)[rank * mine:(rank + 1) * mine])
+        etp = dist.get_world_size(etp_group) if etp_group is not None else 1
+        if etp > 1:
+            if dispatcher != "alltoall" or self.routing != "balanced":
+                raise ValueError("the harness's tensor-parallel experts take the alltoall dispatcher and balanced "
+                                 "routing (equal rows on every expert-tensor-parallel rank)")
+            j = dist.get_rank(etp_group)
+            for expert in self.experts:
+                rows, cols = expert.fc1.weight.shape[0] // etp, expert.fc2.weight.shape[1] // etp
+                expert.fc1.weight = nn.Parameter(expert.fc1.weight.detach()[j * rows:(j + 1) * rows].clone())
+                expert.fc2.weight = nn.Parameter(expert.fc2.weight.detach()[:, j * cols:(j + 1) * cols].clone())
+            self.etp_group, self.etp = etp_group, etp
 
     def route(self, logits):
         """(experts [T, k], probabilities [T, k]) of each token's k slots (module doc)."""
@@ -232,7 +248,7 @@ class MoE(nn.Module):
             counts = balanced_counts(t, k, e)
         else:
             counts = torch.bincount(flat, minlength=e).tolist()
-        if self.ep == 1:
+        if self.ep == 1 and self.etp == 1:
             out = self._experts(permuted, permuted_probs, counts)
         else:
             out = self._alltoall(permuted, permuted_probs, counts)
@@ -264,21 +280,33 @@ class MoE(nn.Module):
         return every.view(self.ep, len(counts)).tolist()
 
     def _alltoall(self, permuted, permuted_probs, counts):
+        """MoEAlltoAllTokenDispatcher: the copies to their EP rank (all_to_all), with tensor-parallel
+        experts all-gathered over the ETP group (every member computes its columns of every
+        member's copies), regrouped by local expert; after the experts the reverse (regroup,
+        reduce-scatter over ETP, all_to_all back)."""
         local, me = self.local_experts, self.ep_rank
         every = self._exchange_counts(counts)
         send = [sum(counts[r * local:(r + 1) * local]) for r in range(self.ep)]
         received = [every[src][me * local:(me + 1) * local] for src in range(self.ep)]  # [src][local expert]
         recv = [sum(c) for c in received]
-        rows = all_to_all(permuted, self.group, recv, send)
-        probs = all_to_all(permuted_probs, self.group, recv, send)
-        by_source = [c for src in range(self.ep) for c in received[src]]
-        by_expert = [received[src][j] for j in range(local) for src in range(self.ep)]
-        if local > 1:  # [source][expert] -> [expert][source] (sort_chunks_by_idxs)
-            rows, probs = (_regroup(x, by_source, self.ep, local) for x in (rows, probs))
-        out = self._experts(rows, probs, [sum(received[src][j] for src in range(self.ep)) for j in range(local)])
-        if local > 1:
-            out = _regroup(out, by_expert, local, self.ep)
-        return all_to_all(out, self.group, send, recv)
+        rows, probs = permuted, permuted_probs
+        if self.ep > 1:
+            rows = all_to_all(permuted, self.group, recv, send)
+            probs = all_to_all(permuted_probs, self.group, recv, send)
+        if self.etp > 1:  # balanced routing: every ETP member received alike
+            rows, probs = (_GatherScatter.apply(x, self.etp_group, True) for x in (rows, probs))
+            received = received * self.etp  # [member, src][local expert]
+        chunks = len(received)
+        by_source = [c for src in range(chunks) for c in received[src]]
+        by_expert = [received[src][j] for j in range(local) for src in range(chunks)]
+        if local > 1 and chunks > 1:  # [source][expert] -> [expert][source] (sort_chunks_by_idxs)
+            rows, probs = (_regroup(x, by_source, chunks, local) for x in (rows, probs))
+        out = self._experts(rows, probs, [sum(received[src][j] for src in range(chunks)) for j in range(local)])
+        if local > 1 and chunks > 1:
+            out = _regroup(out, by_expert, local, chunks)
+        if self.etp > 1:  # each member's copies, its partial sums added over the members' columns
+            out = _GatherScatter.apply(out, self.etp_group, False)
+        return all_to_all(out, self.group, send, recv) if self.ep > 1 else out
 
     def _allgather(self, tokens, chosen, probs):
         """MoEAllGatherTokenDispatcher: every EP rank's tokens, slots and probabilities gathered;

@@ -34,7 +34,8 @@ MBS, MICROBATCHES = 2, 2
 SYSTEM = "cpu-example"
 
 CASES = {
-    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2", "ep2-dp2-full", "ep2-tp2", "ep1-tp2"],
+    2: ["ep2-dp2", "ep2-dp2-topk", "ep2-dp2-allgather", "ep1-dp2", "ep2-dp2-full", "ep2-tp2", "ep1-tp2",
+        "ep1-tp2-etp2"],
     4: ["ep4-dp4", "ep2-dp4", "ep4-dp4-topk"],
 }
 
@@ -68,14 +69,18 @@ class CasePlan:
 def case_plan(name: str):
     """"ep2-dp4", "ep2-dp2-allgather", "ep4-dp4-topk" (routing is the case's, not the plan's),
     "ep2-dp2-full" (full recomputation: the layer's forward, all-to-alls included, again in backward),
-    "ep2-tp2" (1d + SP, experts not tensor-parallel: the attention's ranks folded into EP)."""
+    "ep2-tp2" (1d + SP, experts not tensor-parallel: the attention's ranks folded into EP),
+    "ep1-tp2-etp2" (the experts tensor-parallel over the attention's ranks, Megatron-Core's default)."""
     fields = {"moe_dispatcher": "allgather" if name.endswith("allgather") else "alltoall",
               "recompute": "full" if name.endswith("full") else "none", "dp": 1}
     for part in name.split("-"):
         if part[:2] in ("ep", "dp", "tp"):
             fields[part[:2]] = int(part[2:])
+        elif part.startswith("etp"):
+            fields["etp"] = int(part[3:])
     if fields.get("tp", 1) > 1:
-        fields.update(sp=True, etp=1)
+        fields.setdefault("etp", 1)
+        fields["sp"] = True
     fields["gbs"] = MBS * MICROBATCHES * fields["dp"]
     from perfsim.spec.plan import Plan
 
@@ -115,6 +120,7 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
     probabilities, combine; the same again backward, and forward again under full recomputation), the
     gradient all-reduces (dense over dp, experts over dp / ep), and what one MoE layer keeps."""
     ep, t, k, tp = plan.ep, plan.mbs * model.seq, model.topk, plan.tp
+    etp = plan.etp or tp
     received = t // tp * k  # balanced: every rank gets T k / (tp ep) copies from each of ep ranks' shards
     moe_layers = model.layers - model.dense_layers
     layer_fwd = (model.dense_layers * gemm_forward_flops(model, t, received, False, tp)
@@ -137,8 +143,10 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
     # the shared expert's FC1 input is the router's, or under SP the sequence its column-parallel
     # FC1 gathers (DTensor keeps the gathered copy)
     shared = (t * (glu * fs + fs) // tp + (t * h if tp > 1 else 0)) if fs else 0
+    # the experts compute the copies of their ETP group's members (gathered), on f / etp columns each
+    rows, fe = etp * received, f // etp
     saved = (t // tp * h + t // tp * k  # router input (the layer's input), the top-k softmax (fp32 here as the run)
-             + received * (h + glu * f + 1 + f)  # FC1 input, SwiGLU input, probability, FC2 input
+             + rows * (h + glu * fe + 1 + fe)  # FC1 input, SwiGLU input, probability, FC2 input
              + shared) * element_bytes
     return {"flops": flops, "all_to_all_bytes": bytes_a2a, "all_reduce_bytes": reduce, "moe_layer_saved_bytes": saved}
 
@@ -189,9 +197,10 @@ def named_differences(model, plan, element_bytes: int) -> dict:
     e, h, k = element_bytes, model.hidden, model.topk
     t = plan.mbs * model.seq // plan.tp  # the rank's tokens: its sequence shard under SP
     copies = t * k  # sent by a rank, and (balanced) received by its local experts
+    computed = (plan.etp or plan.tp) * copies  # with its ETP group's members' gathered
     sent = copies * (plan.ep - 1) // plan.ep if plan.moe_dispatcher == "alltoall" else 0
     layers = model.layers - model.dense_layers
-    saved = t * h * e + 4 * t * k + e * copies - 4 * t * model.experts - (4 + 8) * copies - e * h * copies
+    saved = t * h * e + 4 * t * k + e * computed - 4 * t * model.experts - (4 + 8) * copies - e * h * computed
     if plan.tp > 1 and model.shared_expert_ffn:  # SP's gathered input of the shared expert's FC1
         saved += plan.mbs * model.seq * h * e
     return {"all_to_all_bytes": directions(plan) * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
@@ -236,7 +245,8 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     every_loss = torch.tensor([loss])
     dist.all_reduce(every_loss)
     ref_grads = dict(reference.named_parameters())
-    ep_rank, local = rank % step.ep, model.experts // step.ep
+    ep_rank, local = (rank // step.etp) % step.ep, model.experts // step.ep
+    etp_rank = rank % step.etp
     worst, largest = 0.0, 0.0
     for n, p in step.module.named_parameters():
         ref_name = n
@@ -246,6 +256,8 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
             parts[i] = str(ep_rank * local + int(parts[i]))
             ref_name = ".".join(parts)
         ref = ref_grads[ref_name].grad
+        if is_expert_parameter(n) and step.etp > 1:  # this member's columns of FC1, rows of FC2's input
+            ref = (ref.chunk(step.etp, 0) if ".fc1." in n else ref.chunk(step.etp, 1))[etp_rank]
         mine = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a tensor-parallel shard: whole
         worst = max(worst, float((mine - ref).abs().max()))
         largest = max(largest, float(ref.abs().max()))

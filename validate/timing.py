@@ -58,8 +58,9 @@ def expert_plans(n: int, mbs: int = 2) -> list:
     """The plans of a model with experts on `n` > 1 ranks (validate.expert_parallel runs them: data
     parallelism of the attention, experts folded over EP x expert-DP): EP over every rank with each
     dispatcher, EP over 2 ranks beside expert-DP where n > 2, selective recomputation, every
-    expert on every rank (ep 1), and EP folded into the attention's tensor-parallel ranks (1d + SP,
-    experts not tensor-parallel: etp 1) where the model's heads split n ways."""
+    expert on every rank (ep 1), and, where the model's heads split n ways, 1d + SP tensor
+    parallelism with its ranks folded into EP (experts not tensor-parallel: etp 1) or the experts
+    tensor-parallel over them (etp = tp, Megatron-Core's default)."""
     from perfsim.spec.plan import Plan
 
     if "ep" not in Plan.__dataclass_fields__:  # a perfsim without expert parallelism
@@ -68,7 +69,8 @@ def expert_plans(n: int, mbs: int = 2) -> list:
     plans = [Plan(dp=n, ep=e, mbs=mbs, gbs=2 * mbs * n) for e in eps]
     plans += [Plan(dp=n, ep=n, moe_dispatcher="allgather", mbs=mbs, gbs=2 * mbs * n),
               Plan(dp=n, ep=n, recompute="selective", mbs=mbs, gbs=2 * mbs * n), Plan(dp=n, mbs=mbs, gbs=2 * mbs * n),
-              Plan(tp=n, sp=True, ep=n, etp=1, mbs=mbs, gbs=2 * mbs)]  # the attention's TP ranks folded into EP
+              Plan(tp=n, sp=True, ep=n, etp=1, mbs=mbs, gbs=2 * mbs),  # the attention's TP ranks folded into EP
+              Plan(tp=n, sp=True, mbs=mbs, gbs=2 * mbs)]  # the experts tensor-parallel (etp = tp, Megatron-Core's default)
     return plans
 
 
