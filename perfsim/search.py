@@ -260,7 +260,8 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     """Yield (tp_mode, columns of numpy arrays) for the whole raw space but the rank order, by mode.
     Without data or context parallelism the ZeRO stage changes nothing (one replica has nothing to
     shard), so such plans come once, with the lowest stage --fix allows."""
-    # a mixture of experts runs beside 1d TP (with SP where tp > 1) and ZeRO 0 or 1 (spec.plan)
+    # a mixture of experts runs beside 1d TP (with SP where tp > 1) and ZeRO 0 or 1, latent attention
+    # beside 1d TP (spec.plan)
     zeros = allowed_values(fixes, "zero", (0, 1) if model.moe else (0, 1, 2, 3))
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
     kernels = [ATTENTION.index(a) for a in allowed_values(fixes, "attention", ATTENTION)]
@@ -269,7 +270,7 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     by_mode: dict = {}
     count = 0
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
-        if model.moe and (mode != "1d" or (tp > 1 and not sp)):
+        if ((model.moe or model.mla) and mode != "1d") or (model.moe and tp > 1 and not sp):
             continue
         for cp, pp in ((cp, pp) for cp in _context_sizes(model, mode, devices // tp, fixes)
                        for pp in allowed_values(fixes, "pp", _divisors(devices // (tp * cp)))):

@@ -22,18 +22,25 @@ def _plan(mode, cols, i, order="tp-dp-pp"):
     return plan_at(mode, order, cols, i)
 
 
-def test_vectorised_rules_agree_with_plan_problems():
-    rng = random.Random(7)
-    checked = 0
-    for mode, cols in candidates(MODEL, 32, 64, {}):
+def _agreement(model, devices, gbs, seed) -> tuple[int, list]:
+    """Check that rejection_reasons and plan_problems agree on up to 150 sampled candidates of each mode:
+    (plans checked, modes proposed)."""
+    rng = random.Random(seed)
+    checked, modes = 0, []
+    for mode, cols in candidates(model, devices, gbs, {}):
+        modes.append(mode)
         invalid = np.zeros(len(cols["tp"]), dtype=bool)
-        for _, mask in rejection_reasons(MODEL, mode, cols):
+        for _, mask in rejection_reasons(model, mode, cols):
             invalid |= mask
         for i in rng.sample(range(len(invalid)), min(150, len(invalid))):
             plan = _plan(mode, cols, i)
-            assert bool(invalid[i]) == bool(perfsim.plan_problems(plan, MODEL)), (plan, perfsim.plan_problems(plan, MODEL))
+            assert bool(invalid[i]) == bool(perfsim.plan_problems(plan, model)), (plan, perfsim.plan_problems(plan, model))
             checked += 1
-    assert checked > 300
+    return checked, modes
+
+
+def test_vectorised_rules_agree_with_plan_problems():
+    assert _agreement(MODEL, 32, 64, 7)[0] > 300
 
 
 def test_search_ranks_by_throughput_and_matches_predict():
@@ -126,3 +133,26 @@ def test_device_count_with_no_valid_plan(capsys):
 def test_columns_of_a_found_plan_round_trip():
     result = search(MODEL, SYSTEM, 8, 32, top=1)
     assert columns_of(result.plans[0].plan).tp == result.plans[0].plan.tp
+
+
+LATENT_DENSE = perfsim.load_model("layers=4,hidden=2048,heads=16,attention_type=mla,q_lora_rank=512,kv_lora_rank=256,"
+                                  "qk_nope_dim=64,qk_rope_dim=32,v_head_dim=64,ffn=8192,seq=2048,vocab=32000")
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "latent-dense"])
+def test_latent_attention_is_searched_beside_1d_only(name):
+    """Latent attention runs beside 1d tensor parallelism only: search proposes no 2d, 2.5d or 3d
+    plan of an MLA model (a dense one as well as DeepSeek-V3), plan_problems refuses them in one line,
+    and the vectorised rules still agree with plan_problems on the rows it proposes."""
+    model = LATENT_DENSE if name == "latent-dense" else perfsim.load_model(name)
+    checked, modes = _agreement(model, 64, 256, 3)
+    assert modes == ["1d"] and checked == 150
+    grid = perfsim.Plan(tp=4, tp_mode="2d", mbs=2, dp=16, gbs=256)
+    assert any("1d tensor parallelism only" in r for r in perfsim.plan_problems(grid, model))
+
+
+def test_search_of_a_dense_latent_attention_model():
+    result = search(LATENT_DENSE, perfsim.load_system("dgx-h100"), 64, 256, top=3)
+    assert result.plans and all(p.plan.tp_mode == "1d" for p in result.plans + result.pareto)
+    best = result.plans[0]
+    assert perfsim.predict(LATENT_DENSE, perfsim.load_system("dgx-h100"), best.plan).step_time_s == best.step_time_s

@@ -161,6 +161,9 @@ def plan_problems(plan: Plan, model: ModelSpec, devices: int | None = None) -> l
         reasons.append(f"tp_mode must be one of {', '.join(TP_MODES)}, got {plan.tp_mode!r}")
     else:
         reasons += _grid_problems(plan, model)
+        if model.mla and plan.tp_mode != "1d":
+            reasons.append(f"latent attention (attention_type = mla) runs beside 1d tensor parallelism only "
+                           f"(Megatron-Core's MLASelfAttention); got --tp-mode {plan.tp_mode}")
     if plan.schedule not in SCHEDULES:
         reasons.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.recompute not in RECOMPUTE:
