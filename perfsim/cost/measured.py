@@ -32,6 +32,7 @@ GEMM_COLUMNS = ("count", "m", "n", "k", "seconds")
 MEMORY_COLUMNS = ("bytes", "seconds")
 COLLECTIVE_COLUMNS = ("size", "stride", "bytes", "seconds")
 PRIOR_OCTAVES = 1.5  # beyond about this distance from every measured point the curve takes over
+SAMPLED = 256  # elements of a column whose distinct values _distinct_codes looks for first
 WIDTHS = (0.35, 0.5, 0.7, 1.0)  # Gaussian widths (octaves) calibration chooses from, by leave-one-out
 
 
@@ -84,19 +85,43 @@ def _unique_rows(coordinates: list) -> tuple:
     search asks for the same few shapes across many plans, so interpolate each shape once."""
     arrays = np.broadcast_arrays(*[np.asarray(c, float) for c in coordinates])
     shape = arrays[0].shape
-    rows = np.log2(np.stack([a.ravel() for a in arrays], axis=1))
-    if rows.shape[0] == 1:
-        return rows, np.zeros(1, int), shape
+    columns = [a.ravel() for a in arrays]
+    if columns[0].size == 1:
+        return np.log2(np.stack(columns, axis=1)), np.zeros(1, int), shape
     # each column's distinct values, their codes joined into one whole-number key a row: sorting
     # whole numbers is far quicker than np.unique(axis=0)'s sort of rows (same rows, same answer)
-    key = np.zeros(rows.shape[0], np.int64)
-    for column in rows.T:
-        if column.min() == column.max():  # one value (a GEMM's k, a batch's count): no sort
+    key = np.zeros(columns[0].size, np.int64)
+    keys = 1  # how many keys the codes can make
+    for given, column in zip(coordinates, columns):
+        if np.size(given) == 1 or column.min() == column.max():  # one value (a GEMM's k, a batch's count)
             continue
-        values, codes = np.unique(column, return_inverse=True)
-        key = key * len(values) + codes.ravel()
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return rows[first], inverse.ravel(), shape
+        values, codes = _distinct_codes(column)
+        key = key * len(values) + codes
+        keys *= len(values)
+    if keys > len(key):
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    else:  # few keys (a search's batches): mark those present instead of sorting them, in np.unique's
+        # order and codes, with a row of each key (every row of one key holds the same values)
+        present = np.zeros(keys, bool)
+        present[key] = True
+        at = np.empty(keys, np.intp)
+        at[key] = np.arange(len(key))
+        first, inverse = at[present], (np.cumsum(present) - 1)[key]
+    # the log2 of the distinct rows alone: equal coordinates have equal logs
+    return np.log2(np.stack([column[first] for column in columns], axis=1)), inverse.ravel(), shape
+
+
+def _distinct_codes(column: np.ndarray) -> tuple:
+    """np.unique(column, return_inverse=True) (the sorted distinct values, each element's index
+    among them) without sorting the column where a few values repeat, as in a search's batches: the
+    distinct values of a sample of it and of the elements the sample missed."""
+    values = np.unique(column[::max(1, len(column) // SAMPLED)])
+    codes = np.minimum(np.searchsorted(values, column), len(values) - 1)
+    missed = values[codes] != column
+    if missed.any():
+        values = np.unique(np.concatenate([values, column[missed]]))
+        codes = np.searchsorted(values, column)
+    return values, codes
 
 
 def correction(table: KernelTable, coordinates: list, curve_at_points) -> tuple:
