@@ -56,6 +56,18 @@ def format_prediction(p: Prediction) -> str:
     return "\n".join(lines)
 
 
+def plan_summary(p) -> str:
+    """One line naming a prediction's plan and precision (perfsim search's tables)."""
+    plan = p.plan
+    mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
+        + (" regather" if plan.tp_regather else "")
+    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "") + (f" ({split_words(plan)})" if split_words(plan) else "")
+    stack = stack_words(plan) + (f", {p.dtype}" if p.dtype != "bf16" else "")
+    stack = stack.lstrip(", ")
+    return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
+            f"recompute {plan.recompute}, {plan.order}" + (f", {stack}" if stack else ""))
+
+
 def _stage_lines(stages) -> list:
     """The pipeline's stages (an uneven split or a layout), alike neighbours on one line: their
     chunks in Megatron-Core's letters, decoder layers, parameters, the micro-batches each chunk keeps

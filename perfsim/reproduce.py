@@ -63,7 +63,7 @@ def sc21_markdown(rows) -> str:
     return "\n".join(out)
 
 
-# SMNG-P2: the authors' three plans (shared/reference/published.md, section 1), full recomputation.
+# SMNG-P2: the authors' three plans (docs/validation.md, "SMNG-P2: the authors' three plans"), full recomputation.
 SMNG_PLANS = (("3.6B", "smng-p2-3.6b", Plan(tp=1, pp=1, dp=8, zero=2, mbs=8, gbs=64, recompute="full")),
               ("20B", "smng-p2-20b", Plan(tp=8, pp=4, dp=1, zero=1, mbs=1, gbs=8, recompute="full")),
               ("175B", "smng-p2-175b", Plan(tp=8, pp=16, dp=1, zero=1, mbs=3, gbs=300, recompute="full")))
@@ -125,7 +125,8 @@ def smng_scaling(system: System | None = None) -> dict:
 def fit_network_efficiency(system: System | None = None) -> float:
     """The smng-p2 collectives.network_efficiency that alone, with no wait for the slowest rank
     (framework.rank_jitter 0), makes predicted weak scaling at 128 nodes the paper's 93%: the number
-    smng-p2 held as a fit until issue 30 (0.0725), below what its named causes allow."""
+    smng-p2 held as a fit (0.0725) before the ranks' synchrony term (framework.rank_jitter) took its place, below
+    what its named causes allow."""
     import dataclasses
 
     from scipy.optimize import brentq
@@ -148,11 +149,11 @@ def fit_network_efficiency(system: System | None = None) -> float:
 def conditioned_rank_jitter(system: System | None = None, samples: int = 512) -> list:
     """[P10, P50, P90] of smng-p2's framework.rank_jitter conditioned on the SMNG-P2 paper's
     observations (perfsim.uncertainty.posterior): the profile's value is its median."""
-    from perfsim.uncertainty.posterior import _weighted_percentiles, profile_draws
+    from perfsim.uncertainty.posterior import weighted_percentiles, profile_draws
 
     _, posterior = profile_draws(system or load_system("smng-p2"), samples)
     j = posterior.prior.keys.index("framework.rank_jitter")
-    return _weighted_percentiles(posterior.prior.values[:, j], posterior.weights)
+    return weighted_percentiles(posterior.prior.values[:, j], posterior.weights)
 
 
 def smng_scaling_markdown(results: dict) -> str:

@@ -507,7 +507,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
                 progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
     seconds = time.perf_counter() - start
     if feasible == 0:
-        raise PerfsimError(_nothing_fits(evaluated, rejected, devices, gbs))
+        raise PerfsimError(nothing_fits(evaluated, rejected, devices, gbs))
     kept.sort(key=lambda k: -k[0])
     plans = [predict(model, system, plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in kept[:top]]
     speed = np.array([k[5] for k in kept])
@@ -526,7 +526,7 @@ def pareto_front(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
-def _nothing_fits(evaluated: int, rejected: dict, devices: int, gbs: int) -> str:
+def nothing_fits(evaluated: int, rejected: dict, devices: int, gbs: int) -> str:
     top = ", ".join(f"{reason} ({count:,})" for reason, count in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
     if not rejected:
         return (f"no valid plan for {devices} devices and global batch {gbs}: the --fix values (and plan flags) "

@@ -7,7 +7,8 @@ import json
 import pytest
 
 import perfsim
-from perfsim.cli import BUILTIN_CASE, main
+from perfsim.cli import main
+from perfsim.spec.case import BUILTIN_CASE
 from perfsim.search import parse_fixes, search
 
 MODEL, SYSTEM, NODES, GBS = "smng-p2-20b", "smng-p2", 2, 16

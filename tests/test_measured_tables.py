@@ -373,7 +373,7 @@ def test_draws_over_a_profile_with_tables_price_as_draw_by_draw():
     from perfsim.cost.columns import columns_of
     from perfsim.predict import evaluate
     from perfsim.spec.model import load_model
-    from perfsim.uncertainty.sampling import _with_numbers, draw, evaluate_draws
+    from perfsim.uncertainty.sampling import with_numbers, draw, evaluate_draws
 
     base = load_system("dgx-a100")
     shapes = [(1, m, n, k) for m in (2048, 4096) for n in (1024, 3072) for k in (1024, 4096)]
@@ -385,5 +385,5 @@ def test_draws_over_a_profile_with_tables_price_as_draw_by_draw():
     draws, plan = draw(system, 8, comm_points=2), Plan(tp=2, dp=4, mbs=1, gbs=8)
     together = evaluate_draws(model, draws, columns_of(plan), "bf16")["step_time_s"]
     for i in (0, 3, 7):
-        alone = evaluate(model, _with_numbers(system, dict(zip(draws.keys, draws.values[i]))), columns_of(plan), "bf16")
+        alone = evaluate(model, with_numbers(system, dict(zip(draws.keys, draws.values[i]))), columns_of(plan), "bf16")
         assert float(alone["step_time_s"]) == pytest.approx(together[i], rel=1e-12)

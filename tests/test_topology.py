@@ -589,7 +589,7 @@ def test_profile_algorithm_reaches_predict(tmp_path):
     """The built-in case (175B, TP 8 inside an SMNG-P2 node): its large tensor-parallel all-reduces
     take the hierarchical algorithm under auto; a profile that fixes the flat ring is slower."""
     from profile_toml import write_variant
-    from perfsim.cli import BUILTIN_CASE
+    from perfsim.spec.case import BUILTIN_CASE
     from perfsim.predict import predict
     from perfsim.spec.plan import Plan
     plan = Plan(**BUILTIN_CASE["plan"], dp=1)

@@ -17,9 +17,10 @@ from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import _OPERATION_TABLES, _OPTIONAL, _RULES, available_systems, load_system
 from perfsim.uncertainty.bounds import faster_when_higher, optimistic_system, pessimistic_numbers, routes
-from perfsim.uncertainty.ranges import FIXED_KEYS, profile_ranges
+from perfsim.uncertainty.ranges import FIXED_KEYS
+from perfsim.uncertainty.sampling import profile_ranges
 from perfsim.uncertainty.robust import WITHIN, rank_space
-from perfsim.uncertainty.sampling import _with_numbers, draw, evaluate_plans
+from perfsim.uncertainty.sampling import with_numbers, draw, evaluate_plans
 
 GBS = 64
 # plans of every kind the closed form prices differently: overlap max()es (tp_overlap, dp_overlap,
@@ -65,12 +66,12 @@ def test_step_time_and_memory_are_monotone_in_every_drawn_number(system_name, dt
         base = dict(zip(draws.keys, map(float, row)))
         for key in draws.keys:
             fast, slow = _fast_and_slow(system, ranges, base, key)
-            if routes(_with_numbers(system, fast)) != routes(_with_numbers(system, slow)):
+            if routes(with_numbers(system, fast)) != routes(with_numbers(system, slow)):
                 rerouted += 1
                 continue
             for plan in PLANS:
-                a = evaluate(model, _with_numbers(system, fast), columns_of(plan), dtype)
-                b = evaluate(model, _with_numbers(system, slow), columns_of(plan), dtype)
+                a = evaluate(model, with_numbers(system, fast), columns_of(plan), dtype)
+                b = evaluate(model, with_numbers(system, slow), columns_of(plan), dtype)
                 assert a["step_time_s"] <= b["step_time_s"] * (1 + 1e-12), (key, plan)
                 assert a["memory_bytes"]["total"] <= b["memory_bytes"]["total"] * (1 + 1e-12), (key, plan)
                 moved += a["step_time_s"] < b["step_time_s"] * (1 - 1e-9)
@@ -83,14 +84,14 @@ def test_with_the_shipped_ranges_no_latency_reroutes():
     for name in available_systems():
         system = load_system(name)
         draws = draw(system, 64, seed=0)
-        assert routes(optimistic_system(draws)) == routes(_with_numbers(system, pessimistic_numbers(draws))) \
+        assert routes(optimistic_system(draws)) == routes(with_numbers(system, pessimistic_numbers(draws))) \
             == routes(system)
 
 
 def test_the_corners_bound_every_draw():
     system, model = load_system("smng-p2"), load_model(MODEL)
     draws = draw(system, 64, seed=1, comm_points=8, ranges=profile_ranges(system, widen=2.0))
-    fast, slow = optimistic_system(draws), _with_numbers(system, pessimistic_numbers(draws))
+    fast, slow = optimistic_system(draws), with_numbers(system, pessimistic_numbers(draws))
     priced = evaluate_plans(model, draws, PLANS)
     for i, plan in enumerate(PLANS):
         low, high = evaluate(model, fast, columns_of(plan)), evaluate(model, slow, columns_of(plan))

@@ -14,7 +14,7 @@ from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system
 from perfsim.uncertainty.predict import predict_uncertainty
-from perfsim.uncertainty.sampling import _with_numbers, draw, evaluate_draws
+from perfsim.uncertainty.sampling import with_numbers, draw, evaluate_draws
 
 TIME_KEYS = {"compute", "recompute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer", "other"}
 A100_CASE = ("--system", "dgx-a100", "--model", "sc21-39.1b", "--tp", "8", "--pp", "2", "--devices", "512",
@@ -36,7 +36,7 @@ def test_draws_priced_together_equal_one_at_a_time(system, model, plan):
     d = draw(s, 64, comm_points=8)
     together = evaluate_draws(m, d, columns_of(plan))
     for i in (0, 9, 37, 63):
-        alone = evaluate(m, _with_numbers(s, dict(zip(d.keys, d.values[i]))), columns_of(plan))
+        alone = evaluate(m, with_numbers(s, dict(zip(d.keys, d.values[i]))), columns_of(plan))
         assert together["step_time_s"][i] == pytest.approx(float(alone["step_time_s"]), rel=1e-12)
         assert together["memory_bytes"]["total"][i] == pytest.approx(float(alone["memory_bytes"]["total"]), rel=1e-12)
         for part, value in alone["time_breakdown_s"].items():
@@ -109,5 +109,5 @@ def test_draws_price_flash_attention_and_fp8_gemms_with_drawn_efficiencies():
     plan = Plan(tp=2, pp=1, dp=4, mbs=1, gbs=8, attention="flash")
     r = evaluate_draws(model, d, columns_of(plan), "fp8")
     assert np.all(np.isfinite(r["step_time_s"])) and np.ptp(r["step_time_s"]) > 0
-    one = evaluate(model, _with_numbers(system, dict(zip(d.keys, d.values[3]))), columns_of(plan), "fp8")
+    one = evaluate(model, with_numbers(system, dict(zip(d.keys, d.values[3]))), columns_of(plan), "fp8")
     assert float(one["step_time_s"]) == pytest.approx(r["step_time_s"][3], rel=1e-12)

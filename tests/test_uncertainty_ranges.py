@@ -11,7 +11,8 @@ import pytest
 from perfsim.predict import predict
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system, parse_system
-from perfsim.uncertainty.ranges import DEFAULT_WIDTHS, FIXED_KEYS, profile_ranges
+from perfsim.uncertainty.ranges import DEFAULT_WIDTHS, FIXED_KEYS
+from perfsim.uncertainty.sampling import profile_ranges
 from perfsim.uncertainty.sampling import draw
 
 from profile_toml import load_raw

@@ -1,4 +1,4 @@
-"""Which calibration suite to run first (issue 16 item 5, `perfsim calibrate --emit-slurm`): the
+"""Which calibration suite to run first (the order `perfsim calibrate --emit-slurm` writes): the
 profile numbers each suite's measurements fit, and the suites ranked by how much of the doubt
 those numbers leave about the choice of plan and the step time (perfsim/uncertainty/plan_choice.py,
 docs/calibration.md).
@@ -74,7 +74,7 @@ def suite_priorities(numbers, suites) -> tuple:
 def builtin_case_priorities(system_name: str, suites: tuple, samples: int | None = None) -> tuple:
     """suite_priorities over the built-in case (module docstring) on the profile `system_name`
     (remembered: the draws and the search take seconds, and a process asks once per profile)."""
-    from perfsim.cli import BUILTIN_CASE, stack_defaults
+    from perfsim.spec.case import BUILTIN_CASE, stack_defaults
     from perfsim.predict import predict
     from perfsim.search import search
     from perfsim.spec.model import load_model

@@ -1,6 +1,6 @@
-"""Subcommands beyond predict and profiles, one module each.
+"""The commands, one module each (perfsim/cli.py lists them by name), and flags.py, the flags they share.
 
-A module here defines `register(subparsers)`, which adds its parser (with `set_defaults(run=...)`),
+A command module defines `register(subparsers)`, which adds its parser (with `set_defaults(run=...)`),
 and keeps heavy imports (torch, plotly, scipy, networkx) inside the functions that run the
-command, so that `perfsim predict` stays fast. cli.py discovers the modules by name.
+command; perfsim/cli.py imports only the module of the command named, so `perfsim predict` stays fast.
 """

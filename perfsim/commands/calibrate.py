@@ -18,7 +18,9 @@ import re
 import sys
 
 from perfsim.calibrate import SUITES
+from perfsim.commands.flags import positive, slurm_name, walltime, whole_number
 from perfsim.errors import PerfsimError
+from perfsim.harness import harness
 
 DEVICES = ("cpu", "cuda", "xpu")
 DEFAULT_MODEL = {"cpu": "gpt3-350m", "cuda": "gpt3-1.3b", "xpu": "smng-p2-20b"}
@@ -34,22 +36,6 @@ EXPERT_PLAN_KEYS = {"ep": 1, "etp": 0}
 # steps of a calibration model that give the framework overheads (perfsim.calibrate.overheads)
 OVERHEADS = "overheads"
 CALIBRATE_SUITES = SUITES + (OVERHEADS,)
-
-
-def _whole(low: int, high: int):
-    """An argparse type: a whole number from low to high."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {value}")
-        return value
-    return parse
-
-
-_positive = _whole(1, 2**20)
 
 
 def _seconds(text: str) -> float:
@@ -87,28 +73,13 @@ def _choices(allowed):
     return parse
 
 
-def _slurm_name(text: str) -> str:
-    """A Slurm partition or account: one word, written into an #SBATCH line (a newline or a space
-    would end that line and put the rest into the script as shell)."""
-    if not re.fullmatch(r"[A-Za-z0-9_.,:+-]{1,100}", text):
-        raise argparse.ArgumentTypeError(f"expected a Slurm name such as general or pn12ab (letters, digits, "
-                                         f"_ . , : + -), got {text[:40]!r}")
-    return text
-
-
-def _walltime(text: str) -> str:
-    if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", text):
-        raise argparse.ArgumentTypeError(f"expected a Slurm time like 01:30:00 or 1-00:00:00, got {text!r}")
-    return text
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="measure GEMMs, memory ops and collectives here and fit a system profile",
         description="Measure this machine (validate/ microbenchmarks, needs torch) and fit a calibrated profile; "
                     "or write a Slurm script for SMNG-P2; or fit a ledger measured elsewhere.")
     p.add_argument("--device", choices=DEVICES, help="what one rank owns: cpu (one core per rank), cuda, xpu (one tile)")
-    p.add_argument("--nproc", type=_whole(1, 4096), help="ranks on this machine, 1 to 4096 (default: cores on cpu, "
+    p.add_argument("--nproc", type=whole_number(1, 4096), help="ranks on this machine, 1 to 4096 (default: cores on cpu, "
                                                          "visible GPUs/tiles)")
     p.add_argument("--ledger", help="JSON Lines file of measurements; appended to, resumed from "
                                     "(default calibration-DEVICE.jsonl)")
@@ -129,18 +100,18 @@ def register(subparsers) -> None:
     w = p.add_argument_group("what to measure")
     w.add_argument("--model", help="model whose GEMMs and groups to measure (default per device: "
                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_MODEL.items()) + ")")
-    w.add_argument("--tp", type=_positive, help="tensor-parallel size (default: ranks per node)")
+    w.add_argument("--tp", type=positive, help="tensor-parallel size (default: ranks per node)")
     w.add_argument("--tp-mode", dest="tp_mode", choices=("1d", "2d", "2.5d", "3d"))
-    w.add_argument("--tp-depth", dest="tp_depth", type=_positive)
+    w.add_argument("--tp-depth", dest="tp_depth", type=positive)
     w.add_argument("--sp", action="store_true", default=None)
-    w.add_argument("--cp", type=_positive, help="context-parallel size (default 1)")
-    w.add_argument("--pp", type=_positive)
-    w.add_argument("--mbs", type=_positive)
+    w.add_argument("--cp", type=positive, help="context-parallel size (default 1)")
+    w.add_argument("--pp", type=positive)
+    w.add_argument("--mbs", type=positive)
     w.add_argument("--order", help="rank order, innermost first (default tp-dp-pp)")
     w.add_argument("--tp-axes", dest="tp_axes")
-    w.add_argument("--ep", type=_positive, help="expert-parallel size of a model with experts: its all-to-all groups "
+    w.add_argument("--ep", type=positive, help="expert-parallel size of a model with experts: its all-to-all groups "
                                                 "are measured too (default 1)")
-    w.add_argument("--etp", type=_positive, help="tensor parallelism inside the experts (default: --tp)")
+    w.add_argument("--etp", type=positive, help="tensor parallelism inside the experts (default: --tp)")
     w.add_argument("--plans", help="';'-separated plans as FIELD=VALUE lists (as perfsim validate --plans), e.g. "
                                    "'tp=2,mbs=2;pp=2,mbs=2;cp=2': measure the kernel shapes, sizes and groups of each, "
                                    "one campaign per plan into the same ledger (what they share is measured once); "
@@ -151,17 +122,17 @@ def register(subparsers) -> None:
                         f"a calibration model, for the framework overheads)")
     w.add_argument("--max-bytes", dest="max_bytes", type=parse_bytes,
                    help="largest collective message (default 256MiB; 1MiB with --quick)")
-    w.add_argument("--warmup", type=_whole(0, 1000), default=None, help="untimed calls before timing, 0 to 1000 (default 2)")
-    w.add_argument("--repeats", type=_whole(1, 1000), default=None, help="timed repetitions per point, 1 to 1000 (default 5)")
+    w.add_argument("--warmup", type=whole_number(0, 1000), default=None, help="untimed calls before timing, 0 to 1000 (default 2)")
+    w.add_argument("--repeats", type=whole_number(1, 1000), default=None, help="timed repetitions per point, 1 to 1000 (default 5)")
     w.add_argument("--min-time", dest="min_time", type=_seconds, default=None,
                    help="shortest repetition in seconds; short ops are looped (default 0.002)")
-    w.add_argument("--threads", type=_whole(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
+    w.add_argument("--threads", type=whole_number(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
     s = p.add_argument_group("Slurm (SMNG-P2)")
     s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE", help="write a batch script and stop")
-    s.add_argument("--nodes", type=_positive, help="nodes of the Slurm job (8 tiles each)")
-    s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
-    s.add_argument("--partition", type=_slurm_name)
-    s.add_argument("--account", type=_slurm_name)
+    s.add_argument("--nodes", type=positive, help="nodes of the Slurm job (8 tiles each)")
+    s.add_argument("--time", type=walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
+    s.add_argument("--partition", type=slurm_name)
+    s.add_argument("--account", type=slurm_name)
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="shell line to run before the campaign (module load ..., source venv/bin/activate); repeatable")
     p.add_argument("--fit", metavar="LEDGER", help="fit a ledger measured before (here or elsewhere) and stop")
@@ -171,7 +142,7 @@ def register(subparsers) -> None:
 
 def _options(args, world: int, ranks_per_node: int, given: dict | None = None):
     """The campaign's Options; `given`: the plan fields of one of --plans instead of the plan flags."""
-    from validate.campaign import Options
+    Options = harness("campaign").Options
 
     device = args.device
     model = args.model or DEFAULT_MODEL[device]
@@ -203,7 +174,7 @@ def _given_plans(args) -> list:
     given = [k for k in PLAN_KEYS + tuple(EXPERT_PLAN_KEYS) if getattr(args, k, None) is not None]
     if given:
         raise PerfsimError(f"give either --plans or plan flags (--{given[0].replace('_', '-')}, ...), not both")
-    from validate.timing import parse_plans
+    parse_plans = harness("timing").parse_plans
 
     out = []
     for plan in parse_plans(args.plans):
@@ -233,14 +204,6 @@ def _default_tp(model_text: str, ranks_per_node: int, mode: str) -> int:
     return tp
 
 
-def _import_validate():
-    try:
-        import validate  # noqa: F401
-    except ImportError:
-        raise PerfsimError("the validate/ harness is not installed with this perfsim; install from the repository with "
-                           "`pip install torch==2.13.0 -e \".[validate]\"`") from None
-
-
 def _check_plan(options, world):
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan, plan_problems
@@ -262,11 +225,11 @@ def run(args) -> None:
         return _run_emit_slurm(args)
     if args.device is None:
         raise PerfsimError("give --device cpu|cuda|xpu (or --fit LEDGER, or --emit-slurm FILE --nodes N)")
-    _import_validate()
+    harness("campaign")  # a one-line error if the harness is not installed
     if args.worker:
-        from validate.campaign import run_worker
-        from validate.ranks import rank_environment
-        from validate.launcher import die_with_launcher
+        run_worker = harness("campaign").run_worker
+        rank_environment = harness("ranks").rank_environment
+        die_with_launcher = harness("launcher").die_with_launcher
 
         die_with_launcher()  # a rank of launch_local: it dies with the launcher
         ranks = rank_environment()
@@ -282,7 +245,7 @@ def run(args) -> None:
 
 
 def _run_local(args) -> None:
-    from validate.ledger import LedgerLock, check_path
+    LedgerLock, check_path = harness("ledger").LedgerLock, harness("ledger").check_path
 
     system = _base_system_name(args)
     check_path(_ledger_path(args))
@@ -293,7 +256,7 @@ def _run_local(args) -> None:
 
 
 def _measure_and_fit(args, system: str) -> None:
-    from validate.device import check_available, distributed_backend
+    check_available, distributed_backend = harness("device").check_available, harness("device").distributed_backend
 
     out = None if args.no_fit else _out(args, system)
     if out:
@@ -307,7 +270,7 @@ def _measure_and_fit(args, system: str) -> None:
     campaigns = [_options(args, nproc, nproc, given) for given in _given_plans(args)]
     for options in campaigns:
         _check_plan(options, nproc)
-    from validate.campaign import launch_local
+    launch_local = harness("campaign").launch_local
 
     for i, options in enumerate(campaigns, 1):
         which = f" ({i} of {len(campaigns)} plans)" if len(campaigns) > 1 else ""
@@ -339,7 +302,7 @@ def _run_overheads(args, options, nproc: int, system: str) -> None:
     from perfsim.calibrate import fit_ledger
     from perfsim.calibrate.overheads import (ALONE_STEPS, QUICK_ALONE_STEPS, alone_case, overhead_cases,
                                              overheads_ledger)
-    from validate import timing
+    timing = harness("timing")
 
     dtype = next((d for d in options.dtypes if d in timing.DTYPE_BYTES), "bf16")
     steps_ledger = overheads_ledger(options.ledger)
@@ -404,8 +367,7 @@ def _suite_launches(options, system: str) -> tuple:
     import dataclasses
 
     from perfsim.calibrate.priority import builtin_case_priorities
-    from validate.campaign import worker_argv
-    from validate.slurm import SuiteLaunch
+    worker_argv, SuiteLaunch = harness("campaign").worker_argv, harness("slurm").SuiteLaunch
 
     ranked, unmeasured = builtin_case_priorities(system, CALIBRATE_SUITES)
     note = ["Suites in the order of what their numbers settle (perfsim/calibrate/priority.py,",
@@ -422,7 +384,7 @@ def _suite_launches(options, system: str) -> tuple:
 def _overhead_runs(options, system: str, world: int, comment: str):
     """The overheads suite of the Slurm job (OverheadRuns), after the suites its provisional fit needs."""
     from perfsim.calibrate.overheads import alone_case, overhead_cases, overheads_ledger
-    from validate.slurm import OverheadRuns
+    OverheadRuns = harness("slurm").OverheadRuns
 
     provisional = os.path.splitext(options.ledger)[0] + "-provisional.toml"
     dtype = next((d for d in options.dtypes if d in DTYPES), "bf16")
@@ -436,7 +398,8 @@ def _overhead_runs(options, system: str, world: int, comment: str):
 
 
 def _run_emit_slurm(args) -> None:
-    from validate.slurm import TILES_PER_NODE, Job, script
+    slurm = harness("slurm")
+    TILES_PER_NODE, Job, script = slurm.TILES_PER_NODE, slurm.Job, slurm.script
 
     if args.nodes is None:
         raise PerfsimError("--emit-slurm needs --nodes N (8 tiles, so 8 ranks, per node)")

@@ -14,10 +14,10 @@ def add_chart_flags(p) -> None:
     """The case (as predict takes it) and every chart's own options; shared with `perfsim report`."""
     import argparse
 
-    from perfsim.cli import _add_case_flags, _add_plan_flags, _positive, whole_number
+    from perfsim.commands.flags import add_case_flags, add_plan_flags, positive, whole_number
 
-    _add_case_flags(p)
-    _add_plan_flags(p, left_out="the built-in case's plan if no model, system or device count is given; else, "
+    add_case_flags(p)
+    add_plan_flags(p, left_out="the built-in case's plan if no model, system or device count is given; else, "
                     "unless --tp and --pp are given, the best plan perfsim search finds, the plan flags given kept")
     p.add_argument("--out", required=True, metavar="FILE.html", help="the HTML page to write (self-contained)")
     g = p.add_argument_group("chart options")
@@ -27,7 +27,7 @@ def add_chart_flags(p) -> None:
                    help="memory, breakdown: also show the search's N best plans (default 5; 0: only your plan)")
     g.add_argument("--pareto", action="store_true",
                    help="memory, breakdown: show the search's throughput-memory Pareto front instead of the best")
-    g.add_argument("--keep", type=_positive, default=1000,
+    g.add_argument("--keep", type=positive, default=1000,
                    help="whatif: plans kept from the search and re-evaluated per setting (default 1000)")
     g.add_argument("--x", default="tp", choices=HEATMAP_KNOBS, help="heatmap: knob across (default tp)")
     g.add_argument("--y", default="pp", choices=HEATMAP_KNOBS, help="heatmap: knob up (default pp)")
@@ -35,7 +35,7 @@ def add_chart_flags(p) -> None:
                    help="scaling: node counts, the first is the base (default: the case's nodes x 1, 2, 4, 8; "
                         "for the built-in case the SMNG-P2 protocol, 16,32,64,128)")
     g.add_argument("--mode", default="both", choices=("weak", "strong", "both"), help="scaling: which (default both)")
-    g.add_argument("--strong-gbs", dest="strong_gbs", type=_positive,
+    g.add_argument("--strong-gbs", dest="strong_gbs", type=positive,
                    help="scaling: global batch of strong scaling (default: the plan's; built-in case: 2520)")
     g.add_argument("--sim-schedule", dest="sim_schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="timeline: simulate this schedule instead of the plan's (zb-h1: zero-bubble H1)")
@@ -75,7 +75,8 @@ class Case:
     and `announce` hears which plan was chosen."""
 
     def __init__(self, args, announce=None, uncertainty_default: bool = False):
-        from perfsim.cli import build_case, derived_dp, device_count, is_builtin, load_case, plan_flags_given
+        from perfsim.commands.flags import build_case, device_count, is_builtin, load_case, plan_flags_given
+        from perfsim.spec.case import derived_dp
         from perfsim.search import parse_fixes
 
         if args.top < 0:

@@ -6,14 +6,14 @@ import json
 
 from perfsim.errors import PerfsimError
 
-# The SMNG-P2 authors' scaling protocol (shared/reference/published.md): 175B, TP 8, PP 16, micro-batch
+# The SMNG-P2 authors' scaling protocol (docs/validation.md, "SMNG-P2 scaling"): 175B, TP 8, PP 16, micro-batch
 # 3, ZeRO-1, full recomputation; weak keeps 100 micro-batches per pipeline, strong a global batch of 2520.
 PROTOCOL_MICROBATCHES = 100
 PROTOCOL_STRONG_GBS = 2520
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_plan_flags, whole_number
+    from perfsim.commands.flags import add_plan_flags, whole_number
 
     p = sub.add_parser("scale", help="weak or strong scaling of a plan over node counts")
     p.add_argument("--model", help="preset, key=value spec or .toml (default: gpt3-175b, with the SMNG-P2 protocol)")
@@ -24,7 +24,7 @@ def register(sub) -> None:
     how.add_argument("--strong", action="store_true", help="global batch fixed")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
                    help="training precision (default bf16; fp8 on a profile with an FP8 peak)")
-    _add_plan_flags(p)
+    add_plan_flags(p)
     p.add_argument("--json", action="store_true", help='one JSON object {"points": [...]}')
     p.add_argument("--uncertainty", action="store_true",
                    help="also P10/P50/P90 of each point's step time and efficiency over draws of the profile's "
@@ -51,7 +51,8 @@ def node_list(text: str, flag: str = "--nodes") -> list[int]:
 
 
 def run(args) -> None:
-    from perfsim.cli import BUILTIN_CASE, build_case
+    from perfsim.commands.flags import build_case
+    from perfsim.spec.case import BUILTIN_CASE
     from perfsim.scaling import scale
     from perfsim.spec.system import load_system
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 import json
 
 from perfsim.errors import PerfsimError
-from perfsim.spec.plan import split_words, stack_words
+from perfsim.report import plan_summary
 
 
 def register(sub) -> None:
-    from perfsim.cli import _positive, finite_number, whole_number
+    from perfsim.commands.flags import finite_number, positive, whole_number
 
     p = sub.add_parser("search", help="find the best parallel plans for a model, system and device count")
     p.add_argument("--model", required=True, help="preset name, key=value spec, or .toml file")
     p.add_argument("--system", required=True, help="profile name in hwprofiles/ or a .toml path")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nodes", type=_positive)
-    where.add_argument("--devices", type=_positive)
-    p.add_argument("--gbs", type=_positive, required=True, help="global batch size (sequences)")
-    p.add_argument("--top", type=_positive, default=10, help="how many plans to show (default 10)")
+    where.add_argument("--nodes", type=positive)
+    where.add_argument("--devices", type=positive)
+    p.add_argument("--gbs", type=positive, required=True, help="global batch size (sequences)")
+    p.add_argument("--top", type=positive, default=10, help="how many plans to show (default 10)")
     p.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                    help="restrict a knob (plan field names): tp_mode=1d, zero=1, pp=8,16, mbs=1..4, sp=true; repeatable; "
                         "a range may be of any size; a space of more than 10 million plans is refused")
@@ -98,17 +98,6 @@ def run(args) -> None:
         print(_table(result, model, system, devices, args))
 
 
-def _summary(p) -> str:
-    plan = p.plan
-    mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
-        + (" regather" if plan.tp_regather else "")
-    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "") + (f" ({split_words(plan)})" if split_words(plan) else "")
-    stack = stack_words(plan) + (f", {p.dtype}" if p.dtype != "bf16" else "")
-    stack = stack.lstrip(", ")
-    return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
-            f"recompute {plan.recompute}, {plan.order}" + (f", {stack}" if stack else ""))
-
-
 def _table(result, model, system, devices, args) -> str:
     lines = [f"{model.name} on {devices} x {system.device.name} ({system.name}), global batch {args.gbs}",
              f"{result.candidates:,} candidates, {result.evaluated:,} valid plans evaluated in {result.seconds:.2f} s "
@@ -117,10 +106,10 @@ def _table(result, model, system, devices, args) -> str:
              "", f"{'#':>3} {'tokens/s':>12} {'step':>9} {'MFU':>6} {'memory':>9}  plan"]
     for i, p in enumerate(result.plans, 1):
         lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s:>8.2f}s {p.mfu:>6.1%} "
-                     f"{p.memory_bytes['total'] / 2**30:>6.1f} GiB  {_summary(p)}")
+                     f"{p.memory_bytes['total'] / 2**30:>6.1f} GiB  {plan_summary(p)}")
     lines += ["", "Pareto front (no plan is both faster and smaller):"]
     for p in result.pareto:
-        lines.append(f"    {p.tokens_per_s:>12,.0f} tokens/s at {p.memory_bytes['total'] / 2**30:6.1f} GiB  {_summary(p)}")
+        lines.append(f"    {p.tokens_per_s:>12,.0f} tokens/s at {p.memory_bytes['total'] / 2**30:6.1f} GiB  {plan_summary(p)}")
     return "\n".join(lines)
 
 

@@ -7,11 +7,11 @@ import json
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_case_flags, _add_plan_flags, whole_number
+    from perfsim.commands.flags import add_case_flags, add_plan_flags, whole_number
 
     p = sub.add_parser("sensitivity", help="which profile numbers move a plan's step time most (variance shares)")
-    _add_case_flags(p)
-    _add_plan_flags(p)
+    add_case_flags(p)
+    add_plan_flags(p)
     p.add_argument("--samples", type=whole_number(64, 65536), help="prior draws (default 256)")
     p.add_argument("--top", type=whole_number(1, 1000), default=10, help="how many numbers to show (default 10)")
     p.add_argument("--json", action="store_true", help='one JSON object {"samples", "numbers": [...]}')
@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from perfsim.cli import build_case
+    from perfsim.commands.flags import build_case
     from perfsim.errors import PerfsimError
     from perfsim.uncertainty.sensitivity import DEFAULT_SAMPLES, sensitivity
 
@@ -68,7 +68,7 @@ MAX_PLAN_CHOICE_SAMPLES = 4096
 
 
 def _run_plan_choice(args, model, system, plan) -> None:
-    from perfsim.commands.search import _summary
+    from perfsim.report import plan_summary
     from perfsim.errors import PerfsimError
     from perfsim.uncertainty.plan_choice import DEFAULT_SAMPLES, plan_choice
 
@@ -93,7 +93,7 @@ def _run_plan_choice(args, model, system, plan) -> None:
              + (" and the given plan" if searched < len(candidates) else "") + f", over {choice.samples} prior draws",
              "", f"{'#':>3} {'P(best)':>8} {'regret':>7}  plan (regret: mean step time over each draw's best, less 1)"]
     for i, p in enumerate(candidates):
-        lines.append(f"{i + 1:>3} {choice.p_best[i]:>8.0%} {choice.mean_regret[i]:>7.1%}  {_summary(p)}"
+        lines.append(f"{i + 1:>3} {choice.p_best[i]:>8.0%} {choice.mean_regret[i]:>7.1%}  {plan_summary(p)}"
                      + ("  <- the given plan" if i == given else ""))
     best = choice.chosen + 1
     lines += ["", f"Choosing now, plan {best} (smallest mean regret) runs {choice.loss:.1%} slower on average than each "

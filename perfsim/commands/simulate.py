@@ -11,11 +11,11 @@ ZERO_BUBBLE = "zb-h1"
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_case_flags, _add_plan_flags
+    from perfsim.commands.flags import add_case_flags, add_plan_flags
 
     p = sub.add_parser("simulate", help="simulate one step event by event: timeline, critical path, idle time")
-    _add_case_flags(p)
-    _add_plan_flags(p)
+    add_case_flags(p)
+    add_plan_flags(p)
     for action in p._actions:  # the simulator also runs the zero-bubble schedule ZB-H1
         if action.dest == "schedule":
             action.choices = (*action.choices, ZERO_BUBBLE)
@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from perfsim.cli import build_case
+    from perfsim.commands.flags import build_case
     from perfsim.schedule.simulator import ZERO_BUBBLE_ONE_CHUNK, simulate
 
     from perfsim.files import check_output

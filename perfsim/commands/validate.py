@@ -18,10 +18,11 @@ import os
 import sys
 
 from perfsim.errors import PerfsimError
+from perfsim.harness import harness
 
 
 def register(sub) -> None:
-    from perfsim.cli import _add_case_flags, _add_plan_flags, whole_number
+    from perfsim.commands.flags import add_case_flags, add_plan_flags, whole_number
 
     p = sub.add_parser("validate", help="compare predictions with real training steps (run here, or a Megatron-DeepSpeed log)")
     p.add_argument("--megatron-log", dest="megatron_log", metavar="FILE",
@@ -54,11 +55,11 @@ def register(sub) -> None:
     p.add_argument("--threads", type=whole_number(1, 4096), help="CPU threads per rank, 1 to 4096 (default: cores / ranks)")
     # the harness's defaults (validate.timing.DEFAULT_MODEL, DEFAULT_SYSTEM, default_plans) written
     # out like the tolerance's; a test ties them
-    _add_case_flags(p, model_default=f"with --device or --emit-slurm, the harness's small GPT {HARNESS_MODEL}; with "
+    add_case_flags(p, model_default=f"with --device or --emit-slurm, the harness's small GPT {HARNESS_MODEL}; with "
                                      "--megatron-log, gpt3-175b",
                     system_default="cpu-calibrated with --device cpu; with --device cuda or xpu give the profile "
                                    "calibrated for it; smng-p2 with --megatron-log or --emit-slurm")
-    _add_plan_flags(p, left_out="with --device, a set of at least 12 plans over --nproc ranks: 1d tensor parallelism "
+    add_plan_flags(p, left_out="with --device, a set of at least 12 plans over --nproc ranks: 1d tensor parallelism "
                                 "with and without SP under each recompute mode, the three pipeline schedules, ZeRO 0-3 "
                                 "(a model with experts: expert parallelism with each dispatcher, beside expert-DP at 4 "
                                 "ranks, folded into 1d + SP tensor parallelism, and ep 1); with --megatron-log, as "
@@ -93,24 +94,25 @@ def _tolerance(text: str) -> float:
 
 
 def _add_slurm_flags(p) -> None:
-    from perfsim.commands.calibrate import _slurm_name, _walltime
+    from perfsim.commands.flags import slurm_name, walltime
 
     s = p.add_argument_group("Slurm (SMNG-P2): --emit-slurm FILE --nodes N writes the validation job and stops")
     s.add_argument("--emit-slurm", dest="emit_slurm", metavar="FILE",
                    help="write a batch script that runs the plans under mpiexec on --nodes N x 8 tiles (xccl/ccl)")
-    s.add_argument("--time", type=_walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
-    s.add_argument("--partition", type=_slurm_name)
-    s.add_argument("--account", type=_slurm_name)
+    s.add_argument("--time", type=walltime, default="01:00:00", help="Slurm time limit (default 01:00:00)")
+    s.add_argument("--partition", type=slurm_name)
+    s.add_argument("--account", type=slurm_name)
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="shell line run before the steps (module load ..., source venv/bin/activate); repeatable")
 
 
 def _chosen_plans(args, devices: int, **case) -> tuple:
     """(plans, whether they are the default set) on `devices` ranks: `--plans`, else the plan flags
-    as one plan (perfsim.cli.build_case, with `devices` and `case` -- model, system, nodes -- set
+    as one plan (perfsim.commands.flags.build_case, with `devices` and `case` -- model, system, nodes -- set
     on args), else validate.timing's default set."""
-    from perfsim.cli import PLAN_FLAGS
-    from validate import timing
+    from perfsim.commands.flags import PLAN_FLAGS
+
+    timing = harness("timing")
 
     given = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
     if args.plans and given:
@@ -118,7 +120,7 @@ def _chosen_plans(args, devices: int, **case) -> tuple:
     if args.plans:
         return timing.parse_plans(args.plans), False
     if given:
-        from perfsim.cli import build_case
+        from perfsim.commands.flags import build_case
 
         for name, value in dict(case, devices=devices).items():
             setattr(args, name, value)
@@ -133,11 +135,7 @@ def emit_slurm(args) -> None:
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import plan_problems
 
-    try:
-        from validate import slurm, timing
-    except ImportError:
-        raise PerfsimError("the validate/ harness is not installed with this perfsim; install from the repository "
-                           "with `pip install -e \".[validate]\"`") from None
+    slurm, timing = harness("slurm"), harness("timing")
     if args.nodes is None:
         raise PerfsimError("--emit-slurm needs --nodes N (8 tiles, so 8 ranks, per node)")
     if args.device not in (None, "xpu") or args.megatron_log is not None:
@@ -176,7 +174,7 @@ def _relative(predicted, measured):
 
 
 def compare_log(args) -> dict:
-    from perfsim.cli import build_case
+    from perfsim.commands.flags import build_case
     from perfsim.megatron_log import read_log
     from perfsim.predict import predict
 
@@ -226,8 +224,7 @@ def format_comparison(r: dict) -> str:
 def run_steps(args) -> list:
     """The --device timing run; a warning above and below its results when the machine does not
     run at the profile's speed (docs/real-steps-timing.md, "A machine the profile does not describe")."""
-    from validate import timing
-
+    timing = harness("timing")
     command = command_line(args)  # before the plan flags fill in args (_chosen_plans)
     if args.megatron_log is not None:
         raise PerfsimError("give either --megatron-log or --device, not both")

@@ -63,9 +63,9 @@ def pessimistic_numbers(draws, rows=None) -> dict:
 def optimistic_system(draws, rows=None):
     """The system at the optimistic corner of `rows` of the draws: in each of those draws every plan
     is at least as slow and needs at least as much memory as here."""
-    from perfsim.uncertainty.sampling import _with_numbers
+    from perfsim.uncertainty.sampling import with_numbers
 
-    return _with_numbers(draws.system, optimistic_numbers(draws, rows))
+    return with_numbers(draws.system, optimistic_numbers(draws, rows))
 
 
 def routes(system) -> tuple:

@@ -1,4 +1,4 @@
-"""A test of the method that can fail (issue 16): condition dgx-a100, its ranges widened, on the
+"""A test of the uncertainty method that can fail: condition dgx-a100, its ranges widened, on the
 odd rows of SC21 Table 1 and predict the even rows. Each row runs the plan perfsim's point
 prediction picks for it (perfsim.reproduce.sc21_best: micro-batch and interleaving tuned); the
 observed quantity is the published TFLOP/s per GPU against perfsim's hardware FLOPs, as in
@@ -15,8 +15,7 @@ from perfsim.cost.columns import columns_of
 from perfsim.published import SC21_TABLE1
 from perfsim.uncertainty.observations import Observation
 from perfsim.uncertainty.posterior import condition
-from perfsim.uncertainty.ranges import profile_ranges
-from perfsim.uncertainty.sampling import draw, evaluate_draws
+from perfsim.uncertainty.sampling import draw, evaluate_draws, profile_ranges
 
 WIDEN = 2.0  # each range twice as wide on either side of the value
 TOLERANCE = 0.05  # a draw agrees with a row when within 5% of its TFLOP/s

@@ -73,7 +73,7 @@ def _number(where: str, key: str, raw, whole: bool = False) -> float:
 
 
 def _observation(where: str, i: int, raw, system) -> Observation:
-    from perfsim.cli import stack_defaults
+    from perfsim.spec.case import stack_defaults
     from perfsim.spec.model import load_model
     from perfsim.spec.plan import Plan, plan_problems
 

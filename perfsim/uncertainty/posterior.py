@@ -57,7 +57,7 @@ class Posterior:
 
     def predicted_percentiles(self, obs) -> list:
         """[P10, P50, P90] of the observation's quantity under the posterior (the weighted draws)."""
-        return _weighted_percentiles(self.predicted[obs.name], self.weights)
+        return weighted_percentiles(self.predicted[obs.name], self.weights)
 
     def unexplained_text(self) -> str:
         """One sentence per observation the ranges cannot explain with the others ('' if none)."""
@@ -173,7 +173,7 @@ def _cache_file(inputs: tuple) -> str:
     return os.path.join(cache_folder(), f"posterior-{digest.hexdigest()[:32]}.npz")
 
 
-def _weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs=(10, 50, 90)) -> list:
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs=(10, 50, 90)) -> list:
     order = np.argsort(values)
     cumulative = np.cumsum(weights[order])
     return [float(values[order][min(np.searchsorted(cumulative, q / 100), len(values) - 1)]) for q in qs]
@@ -190,13 +190,13 @@ def posterior_markdown(posterior: Posterior) -> str:
     for obs in posterior.observations:
         v = posterior.predicted[obs.name]
         out.append(f"| {obs.name} ({obs.quantity}) | {obs.value:g} +- {obs.tolerance:g} | "
-                   + " / ".join(f"{x:.3g}" for x in _weighted_percentiles(v, flat)) + " | "
-                   + " / ".join(f"{x:.3g}" for x in _weighted_percentiles(v, w)) + " |")
+                   + " / ".join(f"{x:.3g}" for x in weighted_percentiles(v, flat)) + " | "
+                   + " / ".join(f"{x:.3g}" for x in weighted_percentiles(v, w)) + " |")
     out += ["", "| number | prior P10 - P90 | posterior P10 / P50 / P90 |", "|---|---|---|"]
     columns = {key: prior.values[:, j] for j, key in enumerate(prior.keys)} | prior.factors
     for key, v in columns.items():
-        p = _weighted_percentiles(v, flat)
-        q = _weighted_percentiles(v, w)
+        p = weighted_percentiles(v, flat)
+        q = weighted_percentiles(v, w)
         if abs(q[2] - q[0]) < 0.7 * abs(p[2] - p[0]) or "causes" in key or key.startswith(("node.node_link", "device.gemm_eff")):
             out.append(f"| `{key}` | {p[0]:.3g} - {p[2]:.3g} | {q[0]:.3g} / {q[1]:.3g} / {q[2]:.3g} |")
     out.append("")

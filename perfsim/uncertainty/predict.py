@@ -56,24 +56,3 @@ def uncertainty_lines(summary: dict, conditioned: bool, ledgers: tuple = ()) -> 
         if q["p90"] > 0:
             lines.append(f"  {part:<12} {span(q, lambda v: f'{v:.3g} s')}")
     return "\n".join(lines)
-
-
-def uncertainty_of_args(args, model, system, plan):
-    """For `perfsim predict`: (the JSON object, the text) when --uncertainty is given, else None;
-    what the observations cannot explain goes to stderr as a note."""
-    import sys
-
-    from perfsim.errors import PerfsimError
-
-    if not args.uncertainty:
-        if args.samples is not None or args.observe:
-            raise PerfsimError("--samples and --observe shape the draws of --uncertainty; give --uncertainty too")
-        return None
-    if args.engine != "analytic":
-        raise PerfsimError("--uncertainty prices its draws with the closed form; leave out --engine sim")
-    observe = tuple(args.observe or ())
-    summary, note = predict_uncertainty(model, system, plan, args.samples or DEFAULT_SAMPLES, args.dtype,
-                                        observe=observe)
-    if note:
-        print(f"perfsim: note: {note}", file=sys.stderr)
-    return summary, uncertainty_lines(summary, bool(system.observations), observe)

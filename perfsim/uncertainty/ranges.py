@@ -170,24 +170,3 @@ def widened(r: Range, value: float, factor: float, rule) -> Range:
         _, low, high, _ = rule
         lo, hi = max(lo, low), min(hi, high)
     return Range(lo, hi, r.distribution, r.causes, r.explicit)
-
-
-def profile_ranges(system, widen: float = 1.0) -> dict:
-    """"section.key" -> Range for every number a sample varies: its own range or causes, else the
-    default width of its provenance kind (each side `widen` times as far from the value). Counts,
-    switches and capacities stay fixed."""
-    from perfsim.spec.system import number_rule, number_value
-
-    out = {}
-    for key, (provenance, _) in system.provenance.items():
-        if key in FIXED_KEYS:
-            continue
-        value, rule = number_value(system, key), number_rule(key)
-        if value is None:
-            continue
-        found = system.ranges.get(key) or default_range(value, provenance, rule)
-        if found is not None and widen != 1.0:
-            found = widened(found, value, widen, rule)
-        if found is not None and found.hi > found.lo:
-            out[key] = found
-    return out

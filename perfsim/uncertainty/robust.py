@@ -24,7 +24,7 @@ from perfsim.cost.columns import rows_of, stacked
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate, predict
 from perfsim.uncertainty.posterior import profile_draws
-from perfsim.uncertainty.sampling import LINK_SECTIONS, evaluate_plans, group_systems, _with_numbers
+from perfsim.uncertainty.sampling import LINK_SECTIONS, evaluate_plans, group_systems, with_numbers
 
 CANDIDATES = 30
 WITHIN = 0.05
@@ -87,7 +87,7 @@ def print_robust(found, model, system, devices: int, args) -> None:
     import json
     import sys
 
-    from perfsim.commands.search import _summary
+    from perfsim.report import plan_summary
 
     if found.note:
         print(f"perfsim: note: {found.note}", file=sys.stderr)
@@ -111,7 +111,7 @@ def print_robust(found, model, system, devices: int, args) -> None:
     for i, rp in enumerate(ranked[:args.top], 1):
         q = rp.step_time_s
         lines.append(f"{i:>3} {q['p10']:>8.2f} .. {q['p50']:>6.2f} .. {q['p90']:>6.2f}s {rp.prediction.step_time_s:>7.2f}s "
-                     f"{rp.p_best:>8.0%} {rp.p_within_5pct:>8.0%}  {_summary(rp.prediction)}"
+                     f"{rp.p_best:>8.0%} {rp.p_within_5pct:>8.0%}  {plan_summary(rp.prediction)}"
                      + (f" (fits in {rp.p_fits:.0%} of the draws)" if rp.p_fits < 1 else ""))
     lines += ["", verdict(ranked)]
     print("\n".join(lines))
@@ -184,7 +184,7 @@ def _corner_system(system, fast: dict, slow: dict, counts: tuple):
             numbers[key] = fast[key]
         else:
             numbers[key] = np.concatenate([np.full(counts[0], fast[key]), np.full(counts[1], slow[key])])
-    return _with_numbers(system, numbers)
+    return with_numbers(system, numbers)
 
 
 def _steps(result, capacity) -> np.ndarray:
@@ -227,10 +227,10 @@ def _survivors(model, system, draws, families, candidates, references, capacity,
             lower.append(steps[:len(chosen)])
             upper = min(upper, float(steps[len(chosen):].min(initial=np.inf)))
         else:
-            lower.append(np.broadcast_to(_steps(evaluate(model, _with_numbers(system, fast), rows_of(f.columns, chosen),
+            lower.append(np.broadcast_to(_steps(evaluate(model, with_numbers(system, fast), rows_of(f.columns, chosen),
                                                          dtype), capacity), chosen.shape))
             if len(ref):
-                upper = min(upper, float(_steps(evaluate(model, _with_numbers(system, slow), rows_of(f.columns, ref),
+                upper = min(upper, float(_steps(evaluate(model, with_numbers(system, slow), rows_of(f.columns, ref),
                                                          dtype), capacity).min(initial=np.inf)))
     kept = [chosen[low <= (1 + WITHIN) * upper] for chosen, low in zip(candidates, lower)]
     lowest = [chosen[np.argsort(low)[:REFERENCE_PLANS]] for chosen, low in zip(candidates, lower)]
@@ -242,10 +242,10 @@ def _same_routes(draws, *corners) -> bool:
     Only then do they bound those draws (bounds.routes)."""
     from perfsim.uncertainty.bounds import routes
 
-    first = routes(_with_numbers(draws.system, corners[0]))
-    configurations = [_with_numbers(draws.system, dict(zip(draws.keys, map(float, draws.values[np.flatnonzero(draws.groups == g)[0]]))))
+    first = routes(with_numbers(draws.system, corners[0]))
+    configurations = [with_numbers(draws.system, dict(zip(draws.keys, map(float, draws.values[np.flatnonzero(draws.groups == g)[0]]))))
                       for g in np.unique(draws.groups)]
-    return all(routes(s) == first for s in [_with_numbers(draws.system, c) for c in corners[1:]] + configurations)
+    return all(routes(s) == first for s in [with_numbers(draws.system, c) for c in corners[1:]] + configurations)
 
 
 def _clusters(model, system, draws, rows_of_group, families, capacity, dtype) -> list:
@@ -256,7 +256,7 @@ def _clusters(model, system, draws, rows_of_group, families, capacity, dtype) ->
 
     k = min(range(len(families)), key=lambda k: families[k].lower.min())
     plan = rows_of(families[k].columns, [int(np.argmin(families[k].lower))])
-    speed = {g: float(_steps(evaluate(model, _with_numbers(system, optimistic_numbers(draws, rows)), plan, dtype),
+    speed = {g: float(_steps(evaluate(model, with_numbers(system, optimistic_numbers(draws, rows)), plan, dtype),
                              capacity)[0]) for g, rows in rows_of_group.items()}
     ordered = sorted(speed, key=speed.get)
     size = max(1, int(np.ceil(np.sqrt(len(ordered)))))
@@ -299,7 +299,7 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     system = draws.system
     capacity = system.device.memory_bytes
     fast_numbers, slow_numbers = optimistic_numbers(draws), pessimistic_numbers(draws)
-    fast = _with_numbers(system, fast_numbers)
+    fast = with_numbers(system, fast_numbers)
     rejected: dict = {}
     space, groups = classified(model, devices, gbs, fixes, rejected)
     parts: dict = {}
@@ -319,16 +319,16 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     families = [f for f in families if len(f.lower)]
     fitting = sum(len(f.lower) for f in families)
     if not fitting:
-        from perfsim.search import _nothing_fits
+        from perfsim.search import nothing_fits
 
         too_big = {"does not fit in device memory in any draw": valid} if valid else {}
-        raise PerfsimError(_nothing_fits(valid, rejected | too_big, devices, gbs))
+        raise PerfsimError(nothing_fits(valid, rejected | too_big, devices, gbs))
     # 2. an upper bound on every draw's best
     if not _same_routes(draws, fast_numbers, slow_numbers):
         families = [dataclasses.replace(f, lower=np.zeros_like(f.lower)) for f in families]  # no lower bound
     everything = np.concatenate([f.lower for f in families])
     cut = np.partition(everything, min(UPPER_BOUND_PLANS, len(everything)) - 1)[min(UPPER_BOUND_PLANS, len(everything)) - 1]
-    slow = _with_numbers(system, slow_numbers)
+    slow = with_numbers(system, slow_numbers)
     upper = min(float(_steps(evaluate(model, slow, rows_of(f.columns, np.flatnonzero(f.lower <= cut)), dtype),
                              capacity).min(initial=np.inf)) for f in families)
     families = [f.take(np.flatnonzero(f.lower <= (1 + WITHIN) * upper)) for f in families]

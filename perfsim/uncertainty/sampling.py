@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfsim.predict import evaluate
-from perfsim.uncertainty.ranges import profile_ranges
+from perfsim.spec.system import number_rule, number_value
+from perfsim.uncertainty.ranges import FIXED_KEYS, default_range, widened
 
 LINK_SECTIONS = ("node", "network", "collectives")
 DEFAULT_SAMPLES = 512
@@ -87,9 +88,28 @@ def _scaled(u: np.ndarray, lo: float, hi: float, distribution: str) -> np.ndarra
     return lo + u * (hi - lo)
 
 
+def profile_ranges(system, widen: float = 1.0) -> dict:
+    """"section.key" -> Range for every number a sample varies: its own range or causes, else the
+    default width of its provenance kind (each side `widen` times as far from the value). Counts,
+    switches and capacities stay fixed."""
+    out = {}
+    for key, (provenance, _) in system.provenance.items():
+        if key in FIXED_KEYS:
+            continue
+        value, rule = number_value(system, key), number_rule(key)
+        if value is None:
+            continue
+        found = system.ranges.get(key) or default_range(value, provenance, rule)
+        if found is not None and widen != 1.0:
+            found = widened(found, value, widen, rule)
+        if found is not None and found.hi > found.lo:
+            out[key] = found
+    return out
+
+
 def draw(system, n: int = DEFAULT_SAMPLES, seed: int = 0, comm_points: int = DEFAULT_COMM_POINTS,
          ranges: dict | None = None) -> Draws:
-    """n draws of every uncertain number of `system` (perfsim.uncertainty.ranges.profile_ranges,
+    """n draws of every uncertain number of `system` (profile_ranges,
     or `ranges`), reproducible for a given seed."""
     ranges = profile_ranges(system) if ranges is None else ranges
     comm_points = max(1, min(comm_points, n))
@@ -118,7 +138,7 @@ def draw(system, n: int = DEFAULT_SAMPLES, seed: int = 0, comm_points: int = DEF
     return Draws(system, keys, values, groups, factors)
 
 
-def _with_numbers(system, numbers: dict):
+def with_numbers(system, numbers: dict):
     """`system` with the numbers {"section.key" or "section.table.name": value} replaced."""
     sections = {}
     for key, value in numbers.items():
@@ -145,7 +165,7 @@ def group_systems(draws: Draws, repeat: int = 1):
         for j, key in enumerate(draws.keys):
             column = draws.values[rows, j]
             numbers[key] = float(column[0]) if key.split(".")[0] in LINK_SECTIONS else np.tile(column, repeat)
-        yield rows, _with_numbers(draws.system, numbers)
+        yield rows, with_numbers(draws.system, numbers)
 
 
 def _broadcast(value, rows: int) -> np.ndarray:
