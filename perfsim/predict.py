@@ -49,7 +49,7 @@ class Prediction:
     pipeline_stages: tuple = ()
 
     def as_json(self) -> dict:
-        """The `perfsim predict --json` object (shared/DESIGN.md)."""
+        """The `perfsim predict --json` object (README.md, "Use"; tests/test_predict_json.py holds its keys)."""
         return {
             "devices": self.devices, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s, "model_flops_per_step": self.model_flops_per_step,

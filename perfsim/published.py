@@ -1,4 +1,4 @@
-"""Published measurements perfsim is held against (shared/reference/published.md), as data.
+"""Published measurements perfsim is held against (docs/validation.md), as data.
 
 SC21: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC21, Table 1 (weak scaling on Selene, DGX A100 80 GB): model preset, TP, PP,

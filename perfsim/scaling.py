@@ -3,7 +3,7 @@
 Weak scaling keeps the work per replica (tensor and pipeline sizes, micro-batch, micro-batches per
 pipeline) and grows data parallelism with the nodes, so the global batch grows too. Strong scaling
 keeps the global batch and the tensor and pipeline sizes; data parallelism grows and each pipeline
-runs fewer micro-batches. This is the SMNG-P2 authors' protocol (shared/reference/published.md).
+runs fewer micro-batches. This is the SMNG-P2 authors' protocol (docs/validation.md, "SMNG-P2 scaling").
 
 Efficiency is relative to the first point: weak, throughput per device; strong, speed-up over the
 ideal N/N0. Its loss splits exactly over the breakdown terms: with T the step time, the ideal step

@@ -1,4 +1,4 @@
-"""Bad input: one line `perfsim: error: ...` on stderr, exit status 2, no traceback (shared/DESIGN.md)."""
+"""Bad input: one line `perfsim: error: ...` on stderr, exit status 2, no traceback (README.md, "Use")."""
 
 from __future__ import annotations
 

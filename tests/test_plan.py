@@ -37,7 +37,7 @@ DESIGN_KNOBS = ["tp", "tp_mode", "tp_depth", "sp", "pp", "vpp", "schedule", "dp"
 
 
 def test_as_dict_has_the_knob_names():
-    """The 13 knobs of shared/DESIGN.md come first, in that order (later knobs may follow)."""
+    """The 13 original knobs come first, in that order (later knobs may follow)."""
     names = list(Plan().as_dict())
     assert names[:13] == DESIGN_KNOBS
     defaults = Plan().as_dict()

@@ -1,4 +1,4 @@
-"""`perfsim predict --json`: the DESIGN.md contract, the built-in case, and the SMNG-P2 authors' plans."""
+"""`perfsim predict --json`: the object README.md documents, the built-in case, and the SMNG-P2 authors' plans."""
 
 from __future__ import annotations
 

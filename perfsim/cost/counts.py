@@ -288,7 +288,7 @@ def flash_recompute_flops_per_sample(model: ModelSpec) -> float:
 
 
 def megatron_ds_flops_per_sample(model: ModelSpec, tp: int, full_recompute: bool) -> float:
-    """The count behind Megatron-DeepSpeed's `TFLOPs:` log line (shared/reference/published.md):
+    """The count behind Megatron-DeepSpeed's `TFLOPs:` log line (docs/validation.md, "SMNG-P2"):
     forward MACs L(4 h^2 s + 2 s^2 h + 2 ffn h s) + V h s, x3 (x4 with activation checkpointing), x2."""
     h, s, f = model.hidden, model.seq, model.ffn_size
     macs = model.layers * (4 * h * h * s + 2 * s * s * h + 2 * f * h * s) + model.padded_vocab(tp) * h * s

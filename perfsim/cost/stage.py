@@ -4,7 +4,8 @@ A stage holds L/p layers; the first also holds the embedding, the last the final
 logits and the loss (with p = 1 one stage holds all); an uneven split or a layout gives each stage
 its own (cost/pipeline.py). Per micro-batch a stage runs forward,
 backward (cost/layer.py) and what recomputation repeats, issues its tensor-parallel collectives
-(not overlapped, as in Megatron-LM and the 2D/3D implementations), and sends its activation
+(exposed, as in Megatron-LM and the 2D/3D implementations, except that with tp_overlap, 1d + SP,
+they are pipelined with their GEMMs: `overlapped_tp_times`), and sends its activation
 forward and its gradient backward (v times each with v interleaved chunks).
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 from perfsim.cost import clocks, contention, experts, pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.attention_dropout import fused_dropout_work
-from perfsim.cost.topology import TopologyCommModel as CommModel
+from perfsim.cost.topology import TopologyCommModel
 from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import gradient_accumulation_time, microbatch_reduction_time, zero3_units
@@ -87,7 +88,7 @@ class StageCosts:
 
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
-    dev, comm = system.device, CommModel(system)
+    dev, comm = system.device, TopologyCommModel(system)
     # what overlapped communication hides (overlap.py), less the SMs its kernels hold (contention.py)
     eta_tp, eta_cp = contention.overlap_efficiency(system, "tp"), contention.overlap_efficiency(system, "cp")
     # the SM clock of a multi-GPU job against the kernel rates' (clocks.py)

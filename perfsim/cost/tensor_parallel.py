@@ -1,5 +1,5 @@
 """How each tensor-parallel mode splits a layer over its P devices, and what it communicates
-(docs/equations.md, section 4; shared/reference/tensor-parallel.md).
+(docs/equations.md, section 4).
 
 - 1d (Megatron): QKV and FC1 split by columns, output projection and FC2 by rows; one all-reduce
   of [b, s, h] after attention and one after the MLP forward (operator g), one each backward

@@ -21,7 +21,7 @@ import numpy as np
 
 from perfsim.cost import experts
 from perfsim.cost.contention import overlap_efficiency
-from perfsim.cost.topology import TopologyCommModel as CommModel
+from perfsim.cost.topology import TopologyCommModel
 from perfsim.cost.columns import INTERLEAVED, Columns, stage_layer_count
 from perfsim.cost.data_parallel import optimizer_time, step_reduction_time, tied_embedding_time, zero3_units
 from perfsim.cost.fp8 import weight_cast_time
@@ -60,7 +60,7 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["pp_bubble"] = np.where(p == 1, 0.0, np.maximum(pipeline - m * slowest, 0.0))
     breakdown["dp_comm"] = m * kinds["dp_comm"]
 
-    comm = CommModel(system)
+    comm = TopologyCommModel(system)
     # the stage holding the most parameters: first or last, or with an uneven split or a layout another
     held = [np.where(count > 0, n, 0.0) for _, _, n, count in rows]
     params = functools.reduce(np.maximum, held)

@@ -22,14 +22,16 @@ adds the data dependencies between stages and lets time decide the rest.
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# the pass orders stage_order lays out: the plan's schedules (spec.plan.SCHEDULES) and zero bubble H1,
+# which only the event simulation runs
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 F, B, W = "F", "B", "W"
 
 
 def stage_order(schedule: str, stage: int, p: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """Passes (kind, micro-batch, chunk) of `stage` (0-based) of a p-stage pipeline, m micro-batches."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SIMULATED_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SIMULATED_SCHEDULES)}, got {schedule!r}")
     if schedule == "interleaved":
         return _interleaved(stage, p, m, v)
     if v != 1:

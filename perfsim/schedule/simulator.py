@@ -42,7 +42,7 @@ from perfsim.cost.topology import TopologyCommModel, nic_of
 from perfsim.errors import PerfsimError
 from perfsim.schedule import engine
 from perfsim.schedule.analytic import BREAKDOWN_KEYS
-from perfsim.schedule.orders import SCHEDULES, B, F, W, stage_order
+from perfsim.schedule.orders import SIMULATED_SCHEDULES, B, F, W, stage_order
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System, for_dtype
 
@@ -375,8 +375,8 @@ def build(costs: StepCosts):
     """The task graph of one step; returns the builder (graph, display data, stream lists)."""
     k = costs
     p, m, v = k.p, k.m, k.v
-    if k.schedule not in SCHEDULES:
-        raise PerfsimError(f"schedule must be one of {', '.join(SCHEDULES)}, got {k.schedule!r}")
+    if k.schedule not in SIMULATED_SCHEDULES:
+        raise PerfsimError(f"schedule must be one of {', '.join(SIMULATED_SCHEDULES)}, got {k.schedule!r}")
     zb = k.schedule == "zb-h1"
     b = _Builder(costs)
     nb = costs.buckets
@@ -801,8 +801,8 @@ def simulate(model, system, plan, dtype: str = "bf16", schedule: str | None = No
 
     model = load_model(model) if isinstance(model, str) else model
     system = load_system(system) if isinstance(system, str) else system
-    if schedule is not None and schedule not in SCHEDULES:
-        raise PerfsimError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule is not None and schedule not in SIMULATED_SCHEDULES:
+        raise PerfsimError(f"schedule must be one of {', '.join(SIMULATED_SCHEDULES)}, got {schedule!r}")
     if schedule == "zb-h1":
         if plan.vpp > 1 or plan.schedule == "interleaved":
             raise PerfsimError(ZERO_BUBBLE_ONE_CHUNK)

@@ -290,7 +290,7 @@ def _root(n: int, power: int) -> int | None:
 
 
 def _grid_problems(plan: Plan, model: ModelSpec) -> list[str]:
-    """Shape and divisibility rules of the 2d, 2.5d and 3d grids (shared/reference/tensor-parallel.md)."""
+    """Shape and divisibility rules of the 2d, 2.5d and 3d grids (docs/equations.md, section 4)."""
     mode, t, d = plan.tp_mode, plan.tp, plan.tp_depth
     reasons = []
     axes = TP_AXES.get(mode, ())

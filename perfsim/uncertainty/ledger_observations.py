@@ -1,6 +1,6 @@
-"""A calibration ledger's measurements as observations (issue 16 item 5: "a measured ledger then
-narrows the ranges through the same conditioning"; `perfsim predict --uncertainty --observe
-LEDGER`, docs/validation.md).
+"""A calibration ledger's measurements as observations, so that a measured ledger narrows the
+profile's ranges through the same conditioning as its published observations (`perfsim predict
+--uncertainty --observe LEDGER`, docs/validation.md).
 
 A ledger holds hundreds of kernels, and conditioning looks for the largest set of observations
 it can explain together, so each kind of measurement becomes one observation, not one per point:

@@ -1,5 +1,5 @@
-"""Which profile numbers decide the choice of plan (issue 16 item 5, `perfsim sensitivity
---plan-choice`; docs/validation.md, "What decides the plan").
+"""Which profile numbers decide the choice of plan (`perfsim sensitivity --plan-choice`; docs/validation.md,
+"What decides the plan").
 
 Over prior draws, every candidate plan p gets its step time T(p, d) in every draw d, and its
 regret there, R(p, d) = T(p, d) / min_q T(q, d) - 1: how much slower it runs than the best

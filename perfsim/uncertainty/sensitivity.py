@@ -1,4 +1,4 @@
-"""Which profile numbers move a prediction most (issue 16 item 5, first half): first-order
+"""Which profile numbers move one plan's prediction most (`perfsim sensitivity`): first-order
 variance shares over the prior draws.
 
 For each uncertain number (and each named cause of one), the draws are split into BINS equal
