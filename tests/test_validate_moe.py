@@ -178,8 +178,10 @@ def test_a_calibration_of_an_expert_parallel_plan_measures_its_all_to_all_and_ex
     assert not [p for p in dense if p.op == "all_to_all"]
 
 
-def test_the_fit_checks_all_to_all_points_against_perfsims_price_without_fitting_them():
-    from perfsim.calibrate.collectives import all_to_all_check
+def test_the_fit_prices_all_to_all_points_as_one_of_the_profiles_collective_operations():
+    """Points at the link model's own price fit to all_to_all factors (1, 1): nothing moves
+    (tests/test_all_to_all_profile.py recovers other factors)."""
+    from perfsim.calibrate.collectives import fit_all_to_all
     from perfsim.ledger import calibration_problem
     from perfsim.spec.system import load_system
 
@@ -188,8 +190,11 @@ def test_the_fit_checks_all_to_all_points_against_perfsims_price_without_fitting
     records = [{"suite": "collective", "op": "all_to_all", "dtype": "bf16", "group": [2, 1], "nbytes": n,
                 "shape": {"nbytes": n}, "key": f"k{n}", "_t": float(experts.all_to_all_time(system, n, 2, 1))}
                for n in (1 << 12, 1 << 16, 1 << 20, 3 << 18)]
-    (row,) = all_to_all_check(records, system)
-    assert row.fit_mape + (0 if row.held_points == 0 else row.held_mape) == pytest.approx(0.0, abs=1e-12)
+    values, (row, alone), _ = fit_all_to_all(records, system, "ledger")
+    assert values["collectives.operation_efficiency.all_to_all"].value == pytest.approx(1.0, rel=1e-3)
+    assert values["collectives.operation_latency_factor.all_to_all"].value == pytest.approx(1.0, rel=1e-3)
+    assert row.fit_mape + (0 if row.held_points == 0 else row.held_mape) == pytest.approx(0.0, abs=1e-3)
+    assert alone.fit_mape + (0 if alone.held_points == 0 else alone.held_mape) == pytest.approx(0.0, abs=1e-12)
     assert row.fit_points + row.held_points == 4
     assert calibration_problem(dict(records[0], stats={"min_s": 1e-3, "median_s": 1e-3, "mean_s": 1e-3},
                                     key="collective:x", timing="interleaved", schema=1)) is None

@@ -154,8 +154,8 @@ def hand_count(model, plan, element_bytes: int, dense_params: int, expert_params
 def perfsim_count(model, plan, element_bytes: int) -> dict | None:
     """perfsim's figures for one rank of the plan, where perfsim prices experts (else None): the
     step's FLOPs (hardware, over the ranks), the bytes its all-to-alls send (dispatch and combine,
-    forward and backward and the recomputed forward, every MoE layer and micro-batch;
-    perfsim.cost.experts.alltoall_bytes_sent)
+    forward and backward and the recomputed forward, every MoE layer and micro-batch, the
+    probabilities' beside the tokens; perfsim.cost.traffic.ep_all_to_all_bytes)
     and what one MoE layer keeps (perfsim.cost.experts.saved_activation_bytes), at `element_bytes`
     an element as the run."""
     try:
@@ -163,14 +163,15 @@ def perfsim_count(model, plan, element_bytes: int) -> dict | None:
     except ImportError:
         return None
     from perfsim.cost.columns import columns_of
+    from perfsim.cost.traffic import ep_all_to_all_bytes
     from perfsim.predict import predict
     from perfsim.spec.system import load_system
 
     c = columns_of(plan)
     layers = model.layers - model.dense_layers
-    sent = float(experts.alltoall_bytes_sent(model, c, element=element_bytes)) if plan.moe_dispatcher == "alltoall" else 0.0
+    sent = ep_all_to_all_bytes(model, plan, element_bytes)  # one layer, micro-batch and pass
     return {"flops": predict(model, load_system(SYSTEM), plan, "fp32").hardware_flops_per_step / plan.devices,
-            "all_to_all_bytes": 2 * directions(plan) * sent * layers * plan.microbatches,
+            "all_to_all_bytes": directions(plan) * sent * layers * plan.microbatches,
             "moe_layer_saved_bytes": float(experts.saved_activation_bytes(model, c, element=element_bytes))}
 
 
@@ -178,10 +179,9 @@ def named_differences(model, plan, element_bytes: int) -> dict:
     """What the harness (Megatron-Core as of 0.13, 2025) does that perfsim.cost.experts prices
     otherwise, each by its formula, harness less perfsim, for one rank of a balanced step:
 
-    - all_to_all_bytes: the routing probabilities ride an all-to-all of their own beside the tokens
-      (MoEAlltoAllTokenDispatcher.token_dispatch's global_probs), forward and back (and forward
-      again under full recomputation): the copies sent x an element each pass, per MoE layer and
-      micro-batch; perfsim sends the tokens alone.
+    - all_to_all_bytes: none. (The routing probabilities ride an all-to-all of their own beside
+      the tokens, MoEAlltoAllTokenDispatcher.token_dispatch's global_probs, the copies sent x an
+      element each pass; perfsim prices it too, perfsim.cost.traffic.ep_all_to_all_bytes.)
     - moe_layer_saved_bytes (one layer's forward alone): + the router's input (perfsim counts it
       in the dense region, as the norm's output); + the top-k softmax's fp32 output [T, k] (the
       harness's softmax runs over the k chosen logits, moe_router_pre_softmax off, and no
@@ -198,12 +198,10 @@ def named_differences(model, plan, element_bytes: int) -> dict:
     t = plan.mbs * model.seq // plan.tp  # the rank's tokens: its sequence shard under SP
     copies = t * k  # sent by a rank, and (balanced) received by its local experts
     computed = (plan.etp or plan.tp) * copies  # with its ETP group's members' gathered
-    sent = copies * (plan.ep - 1) // plan.ep if plan.moe_dispatcher == "alltoall" else 0
-    layers = model.layers - model.dense_layers
     saved = t * h * e + 4 * t * k + e * computed - 4 * t * model.experts - (4 + 8) * copies - e * h * computed
     if plan.tp > 1 and model.shared_expert_ffn:  # SP's gathered input of the shared expert's FC1
         saved += plan.mbs * model.seq * h * e
-    return {"all_to_all_bytes": directions(plan) * sent * e * layers * plan.microbatches, "moe_layer_saved_bytes": saved}
+    return {"all_to_all_bytes": 0, "moe_layer_saved_bytes": saved}
 
 
 def directions(plan) -> int:

@@ -257,7 +257,7 @@ def predicted(model, system, plan, dtype: str) -> dict:
     p = predict(model, system, plan, dtype)
     sent = step_sent_bytes(model, system, plan, dtype)
     return {"step_time_s": p.step_time_s, "flops": p.hardware_flops_per_step, "comm_bytes": sent["total"],
-            "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "cp", "pp", "dp") if k in sent},
+            "comm_bytes_by_dimension": {k: sent[k] for k in ("tp", "cp", "pp", "dp", "ep") if k in sent},
             "activation_bytes": p.memory_bytes["activations"],
             "peak_memory_bytes": allocated_bytes(p.memory_bytes["total"], system.framework),
             "time_breakdown_s": p.time_breakdown_s, "memory_bytes": p.memory_bytes}

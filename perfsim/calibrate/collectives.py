@@ -199,14 +199,14 @@ STEP_TIMING = COLLECTIVE_TIMINGS[0]  # collectives timed as a step issues them: 
 STEP_OVERHEAD_MAX_BYTES = 16 << 20  # above this, the repetitions' spread is bandwidth noise, not a wait
 
 
-def _step_overheads(fit) -> dict:
+def _step_overheads(fit, ops=COLLECTIVE_OPS) -> dict:
     """{op: seconds} a call pays inside a step beyond the link model's time. The link model is fitted
     on the chosen statistic (the fastest repetition by default); a step's time is the sum of its
     calls, so what it pays on average per call is the mean. Measured where collectives were timed
     as a step issues them (right after compute), as the median over an operation's points up to
     STEP_OVERHEAD_MAX_BYTES of (mean - fitted statistic); nothing where the fit is the mean itself."""
     out = {}
-    for op in COLLECTIVE_OPS:
+    for op in ops:
         gaps = [r["stats"]["mean_s"] - r["_t"] for r in fit if r["op"] == op and r.get("timing") == STEP_TIMING
                 and r["nbytes"] <= STEP_OVERHEAD_MAX_BYTES and isinstance(r["stats"].get("mean_s"), (int, float))]
         if len(gaps) >= 3:
@@ -216,35 +216,84 @@ def _step_overheads(fit) -> dict:
     return out
 
 
-def all_to_all_check(records, system) -> list:
-    """The all-to-all points (expert parallelism's dispatch, validate.microbench.EXPERT_COLLECTIVES)
-    against perfsim.cost.experts.all_to_all_time on the profile fitted from the other collectives:
-    a check, nothing fitted (the all-to-all is priced from the link classes alone)."""
-    rows = [r for r in records if r["op"] == "all_to_all" and r.get("group") and r["group"][0] > 1]
-    if not rows:
-        return []
-    try:
-        from perfsim.cost.experts import all_to_all_time
-    except ImportError:  # a perfsim without experts
-        return []
+ALL_TO_ALL = "all_to_all"
 
-    fit, held = split_held_out(rows, "collective", ("all_to_all",))
-    predict = lambda rs: np.array([float(all_to_all_time(system, r["nbytes"], r["group"][0], r["group"][1]))  # noqa: E731
-                                   for r in rs])
-    return [Quality("all-to-all (perfsim.cost.experts on the fitted links; not fitted)",
-                    mape(predict(fit), measured_times(fit)) if fit else float("nan"), len(fit),
-                    mape(predict(held), measured_times(held)) if held else float("nan"), len(held))]
+
+def _with_all_to_all(system, factors: tuple):
+    """`system` with all_to_all's (efficiency, latency factor, step overhead) in its per-operation
+    tables; the other operations' entries kept."""
+    tables = {}
+    for table, value in zip(("operation_efficiency", "operation_latency_factor", "operation_step_overhead_s"), factors):
+        kept = tuple((op, v) for op, v in getattr(system.collectives, table) if op != ALL_TO_ALL)
+        tables[table] = kept + ((ALL_TO_ALL, value),)
+    return with_fields(system, collectives=tables)
+
+
+def fit_all_to_all(records, system, ledger) -> tuple:
+    """(values, quality rows, notes) of the all-to-all points (expert parallelism's dispatch,
+    validate.microbench.EXPERT_COLLECTIVES) on the link classes `system` holds, fitted from the
+    other collectives and kept as they are: the operation's efficiency and latency factor, fitted
+    to the points as the other operations' are (log residuals, topology.all_to_all_line as the
+    link model), the efficiency at most 1 (the link class's bandwidth is what the fastest operation
+    reaches), and its step overhead as theirs (_step_overheads). The other collectives' numbers do
+    not move (docs/equations.md 12.3)."""
+    from perfsim.cost.topology import clear_caches
+
+    rows = [r for r in records if r["op"] == ALL_TO_ALL and r.get("group") and r["group"][0] > 1]
+    if not rows:
+        return {}, [], []
+    fit, held = split_held_out(rows, "collective", (ALL_TO_ALL,))
+    links_alone = _with_all_to_all(system, (1.0, 1.0, 0.0))
+
+    def row(name, model):
+        clear_caches()
+        return Quality(name, mape(collective_times(model, fit), measured_times(fit)) if fit else float("nan"), len(fit),
+                       mape(collective_times(model, held), measured_times(held)) if held else float("nan"), len(held))
+
+    quality = [row("all-to-all (the link classes alone, no operation factors)", links_alone)]
+    if len(fit) < 2:
+        return {}, quality, ["all-to-all: fewer than 2 fitted points, nothing fitted"]
+    t = measured_times(fit)
+    x = least_squares(lambda x: np.log(collective_times(_with_all_to_all(system, (math.exp(x[0]), math.exp(x[1]), 0.0)),
+                                                        fit) / t),
+                      [math.log(0.5), 0.0], ([_FACTOR_BOUNDS[0][0]] * 2, [0.0, _FACTOR_BOUNDS[1][1]]))  # x0 inside
+    e, f = math.exp(x[0]), math.exp(x[1])
+    wait = _step_overheads(fit, (ALL_TO_ALL,)).get(ALL_TO_ALL)
+    model = _with_all_to_all(system, (e, f, 0.0))
+    quality.insert(0, row("all-to-all (profile: the link classes x fitted all_to_all factors)", model))
+    where = (f"fitted to {len(fit)} all-to-all points of ledger {ledger} on the link classes fitted from the other "
+             f"collectives, through perfsim.cost.topology.all_to_all_line")
+    values = {f"collectives.operation_efficiency.{ALL_TO_ALL}": Fitted(
+                  e, f"all_to_all's bandwidth over the link model's (topology.all_to_all_line); {where}"),
+              f"collectives.operation_latency_factor.{ALL_TO_ALL}": Fitted(
+                  f, f"all_to_all's latency over the link model's one link latency; {where}")}
+    notes = [f"all_to_all: efficiency {e:.3g}, latency factor {f:.3g}"]
+    if wait:
+        values[f"collectives.operation_step_overhead_s.{ALL_TO_ALL}"] = Fitted(
+            wait[0], f"all_to_all: median over {wait[1]} points up to {STEP_OVERHEAD_MAX_BYTES >> 20} MiB, timed right "
+                     f"after compute as a step issues them, of each point's mean repetition less the link model's "
+                     f"(fitted) repetition; ledger {ledger}")
+        notes.append(f"all_to_all step overhead per call (mean less fitted repetition): {1e3 * wait[0]:.2f} ms")
+        stepped = _with_all_to_all(system, (e, f, wait[0]))
+        means = lambda rs: np.array([r["stats"].get("mean_s", r["_t"]) for r in rs], float)  # noqa: E731
+        clear_caches()
+        quality.append(Quality("all-to-all in a step (profile with its step overhead) vs each point's mean",
+                               mape(collective_times(stepped, fit), means(fit)), len(fit),
+                               mape(collective_times(stepped, held), means(held)) if held else float("nan"), len(held)))
+    clear_caches()
+    return values, quality, notes
 
 
 def fit_collectives(records, system, ledger):
     from perfsim.cost.topology import clear_caches
 
-    a2a = [r for r in records if r["op"] == "all_to_all"]
-    records = [r for r in records if r["op"] != "all_to_all"]  # priced by perfsim.cost.experts: checked after
+    a2a = [r for r in records if r["op"] == ALL_TO_ALL]
+    records = [r for r in records if r["op"] != ALL_TO_ALL]  # fitted after, on the links the others give
     values, quality, notes = {}, [], []
     fit, held = split_held_out(records, "collective")
-    if len(fit) < 2:
-        return values, quality, notes, system
+    if len(fit) < 2:  # the all-to-all points alone: fitted on the base profile's link classes
+        values, quality, notes = fit_all_to_all(a2a, system, ledger)
+        return values, quality, notes, with_values(system, values) if values else system
     classes = sorted({link_class(system, *r["group"]) for r in fit + held}, key=list(_CLASS_KEYS).index)
     plain = _without_operation_factors(system)
     # The profile's algorithm rule (collectives.algorithm) is fitted too: each rule the model knows,
@@ -350,5 +399,9 @@ def fit_collectives(records, system, ledger):
                                       + f", {where}")
     system = with_values(system, values)
     clear_caches()
-    quality += all_to_all_check(a2a, system)
-    return values, quality, notes, system
+    a2a_values, a2a_quality, a2a_notes = fit_all_to_all(a2a, system, ledger)
+    if a2a_values:
+        values.update(a2a_values)
+        system = with_values(system, a2a_values)
+        clear_caches()
+    return values, quality + a2a_quality, notes + a2a_notes, system

@@ -195,22 +195,13 @@ def moe_memory_ops(model: ModelSpec, c: Columns, imbalance=1.0, element=BF16) ->
 # --- communication ---
 def all_to_all_time(system, nbytes, size, stride):
     """Seconds of one all-to-all in which each of `size` ranks `stride` apart sends `nbytes` in
-    all (nbytes / size to each member, itself included), every group of the dimension at once.
-    A member's copies to members in its node cross NVLink (node_link_bandwidth x
-    node_efficiency), those to other nodes its share of the node's NICs (nics x nic bandwidth /
-    oversubscription x network_efficiency / devices per node, every device sending at once); the
-    two run at once, so the slower sets the time, plus one link latency (NCCL posts the size - 1
-    sends and receives together). 0 for a group of one (docs/equations.md 12.3)."""
-    node, net, eff = system.node, system.network, system.collectives
-    size, stride = np.asarray(size, dtype=float), np.maximum(np.asarray(stride, dtype=float), 1)
-    per_node = np.clip(np.floor(node.devices_per_node / stride), 1, size)  # members in one node
-    intra = nbytes * (per_node - 1) / size
-    inter = nbytes * (size - per_node) / size
-    nvlink = node.node_link_bandwidth_Bps * eff.node_efficiency
-    nic = net.nics_per_node * net.nic_bandwidth_Bps / net.oversubscription * eff.network_efficiency \
-        / node.devices_per_node
-    latency = np.where(size > per_node, net.latency_s, node.node_link_latency_s)
-    return np.where(size > 1, np.maximum(intra / nvlink, inter / nic) + latency, 0.0)
+    all (nbytes / size to each member, itself included), every group of the dimension at once:
+    perfsim.cost.topology.all_to_all_line (NVLink inside a node, the node's NICs across, one link
+    latency) with the profile's all_to_all factors (efficiency, latency factor, step overhead) and
+    measured table, as every collective operation. 0 for a group of one (docs/equations.md 12.3)."""
+    from perfsim.cost.topology import TopologyCommModel
+
+    return TopologyCommModel(system).all_to_all(nbytes, size, stride)
 
 
 def alltoall_bytes_sent(model: ModelSpec, c: Columns, element=BF16, imbalance=1.0):
@@ -230,7 +221,8 @@ def dispatch_times(system, comm, model: ModelSpec, c: Columns, imbalance=1.0, el
     strides = group_strides(c)
     etp = c.expert_tp
     sent = e * h * dispatched_tokens(model, c) * imbalance  # what the slowest rank receives, sends back
-    alltoall = 2 * all_to_all_time(system, sent, c.ep, strides["ep"])
+    # tokens there and back, and the copies' probabilities (an element each) beside them there
+    alltoall = 2 * comm.all_to_all(sent, c.ep, strides["ep"]) + comm.all_to_all(sent / h, c.ep, strides["ep"])
     alltoall = alltoall + np.where(etp > 1, comm.all_gather(etp * sent, etp, strides["etp"])
                                    + comm.reduce_scatter(etp * sent, etp, strides["etp"]), 0.0)
     group = etp * c.ep

@@ -46,10 +46,12 @@ SWITCH, ALL_TO_ALL = "switch", "all-to-all"
 AUTO, RING, TREE, HIERARCHICAL = ALGORITHMS
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, SEND = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send")
+ALL_TO_ALL_OP = "all_to_all"  # expert parallelism's dispatch and combine (all_to_all_line)
 # The algorithms each operation's time comes from: an all-gather runs the reduce-scatter's
 # algorithms the other way, a reduce the broadcast's, reversed (links are full duplex).
 _ALGORITHMS_OF = {ALL_REDUCE: ALL_REDUCE, ALL_GATHER: REDUCE_SCATTER, REDUCE_SCATTER: REDUCE_SCATTER,
-                  BROADCAST: BROADCAST, REDUCE: BROADCAST, SEND: SEND}
+                  BROADCAST: BROADCAST, REDUCE: BROADCAST, SEND: SEND, ALL_TO_ALL_OP: ALL_TO_ALL_OP}
+DIRECT = "direct"  # the all-to-all's one algorithm: every member posts its size - 1 sends at once
 
 # Routing cost added per device<->NIC hop, in seconds of path cost: large enough that a NIC is never
 # a shortcut between two devices of one node, and equal on every inter-node route (each has two).
@@ -172,6 +174,25 @@ class RingShape:
     latency_s: float          # the longest path of any ring edge
     bottleneck: str           # link kind that limits bandwidth_Bps
     flows: int                # flows sharing that bottleneck link (one direction)
+
+
+def all_to_all_line(system: System, size: int, stride: float) -> tuple:
+    """(seconds per byte, seconds) of one all-to-all in which each of `size` ranks `stride` apart
+    sends n bytes in all (n / size to each member, itself included), every group of the dimension
+    at once: time(n) = a n + b (docs/equations.md 12.3). A member's copies to members in its node
+    cross NVLink (node_link_bandwidth x node_efficiency), those to other nodes its share of the
+    node's NICs (nics x nic bandwidth / oversubscription x network_efficiency / devices per node,
+    every device sending at once); the two run at once, so the slower sets a, and b is one link
+    latency (NCCL posts the size - 1 sends and receives together). The profile's all_to_all
+    factors scale it as any operation's (TopologyCommModel._op_lines)."""
+    node, net, eff = system.node, system.network, system.collectives
+    stride = max(float(stride), 1.0)
+    per_node = min(max(math.floor(node.devices_per_node / stride), 1), size)  # members in one node
+    nvlink = node.node_link_bandwidth_Bps * eff.node_efficiency
+    nic = net.nics_per_node * net.nic_bandwidth_Bps / net.oversubscription * eff.network_efficiency \
+        / node.devices_per_node
+    slope = max((per_node - 1) / size / nvlink, (size - per_node) / size / nic)
+    return slope, (net.latency_s if size > per_node else node.node_link_latency_s)
 
 
 def node_patterns(devices_per_node: int, size: int, stride: int, wrap: bool = True):
@@ -652,6 +673,8 @@ class TopologyCommModel:
     def _option_lines(self, op, g, s) -> list:
         """The lines of every algorithm `_options` offers, in the same order and under the same rule."""
         rule = self.algorithm_rule
+        if op == ALL_TO_ALL_OP:
+            return [all_to_all_line(self.system, g, s)]
         if op == SEND:  # one hop of a chain, every chain sending at once
             r = self.ring(g, s, wrap=False)
             return [(1 / r.bandwidth_Bps, r.latency_s)]
@@ -709,6 +732,8 @@ class TopologyCommModel:
         g, s = int(size), max(int(stride), 1)
         if g <= 1:
             return "none"
+        if op == ALL_TO_ALL_OP:
+            return DIRECT
         efficiency, latency_factor, _ = self.operation_factors.get(op, (1.0, 1.0, 0.0))  # an overhead picks none
         # a n / e + f b = f (a n / (e f) + b): the scaled operation's fastest algorithm at n is the
         # unscaled one's at n / (e f)
@@ -806,6 +831,12 @@ class TopologyCommModel:
         """Reduce to one member: the broadcast's flows, reversed (links are full duplex and symmetric)."""
         return self._measured(REDUCE, self._each_shape(lambda g, s: self._op_lines(REDUCE, g, s), nbytes, size, stride),
                              nbytes, size, stride)
+
+    def all_to_all(self, nbytes, size, stride):
+        """All-to-all in which each member sends nbytes in all (nbytes / size to each member, itself
+        included): all_to_all_line, with the profile's all_to_all factors and measured table."""
+        return self._measured(ALL_TO_ALL_OP, self._each_shape(lambda g, s: self._op_lines(ALL_TO_ALL_OP, g, s), nbytes,
+                                                              size, stride), nbytes, size, stride)
 
     def send(self, nbytes, size, stride):
         """Point-to-point messages between neighbours of a chain of `size` ranks `stride` apart

@@ -8,9 +8,9 @@ it with these numbers (docs/equations.md, section 10).
 
 from __future__ import annotations
 
-from perfsim.cost import pipeline
+from perfsim.cost import experts, pipeline
 from perfsim.cost import tensor_parallel as tpc
-from perfsim.cost.columns import ELEMENT_BYTES, columns_of
+from perfsim.cost.columns import ELEMENT_BYTES, columns_of, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.data_parallel import zero3_gathers
 from perfsim.cost.layer import BF16
@@ -85,18 +85,88 @@ def _cp_per_microbatch(model: ModelSpec, plan: Plan, element=BF16) -> float:
     return model.layers * plan.tp * plan.cp * (plan.cp - 1) * passes * kv_block_bytes(model, plan.mbs, plan.cp, plan.tp, element)
 
 
+INDEX_BYTES = 8  # an int64 expert index (the all-gather dispatcher gathers each token's chosen experts)
+
+
+def ep_all_to_all_bytes(model: ModelSpec, plan: Plan, element=BF16) -> float:
+    """Bytes one rank's all-to-alls send in one MoE layer for one micro-batch in one pass (the
+    backward sends as much): the dispatched tokens there and back and their probabilities (an
+    element a copy, 1/hidden of the tokens) there, each (ep - 1) / ep of its copies (the rest stay
+    with its own experts); 0 under the all-gather dispatcher."""
+    if plan.moe_dispatcher == "allgather" or not model.moe:
+        return 0.0
+    sent = float(experts.alltoall_bytes_sent(model, columns_of(plan), element))  # tokens, one way
+    return 2 * sent + sent / model.hidden
+
+
+def _ep_per_layer_pass(model: ModelSpec, plan: Plan, element=BF16) -> float:
+    """Bytes one rank sends in one MoE layer's dispatch and combine for one micro-batch in one pass
+    (the forward, or the backward, which runs the reverse collectives on the gradients; docs/equations.md
+    12.3), balanced routing. All-to-all dispatcher: the tokens there and back and their probabilities
+    there over EP, each (ep - 1) / ep of the copies; with etp > 1 the received copies and probabilities
+    all-gathered over ETP and the outputs reduce-scattered, each member sending (etp - 1) x its copies.
+    All-gather dispatcher: over the etp x ep group g, the tokens gathered and the outputs
+    reduce-scattered ((g - 1) x T tokens each), the copies' probabilities gathered (an element each;
+    their gradients reduce-scattered in backward), and in the forward the chosen experts (int64; no
+    gradient), averaged over the two passes."""
+    c = columns_of(plan)
+    h, e = model.hidden, element
+    copies = float(experts.dispatched_tokens(model, c))
+    etp = float(c.expert_tp)
+    if plan.moe_dispatcher == "allgather":
+        g, t = etp * plan.ep, float(experts.local_tokens(model, c))
+        return (g - 1) * (2 * t * h * e + copies * e + copies * INDEX_BYTES / 2)
+    return ep_all_to_all_bytes(model, plan, element) + (etp - 1) * copies * e * (2 * h + 1)
+
+
+def _ep_sent(model: ModelSpec, plan: Plan, element=BF16) -> float:
+    """Bytes the whole job's expert-parallel dispatch and combine send in one step: every rank of
+    a stage, every MoE layer, every micro-batch, forward and backward, and the forward once more
+    under full recomputation (the recomputed forward dispatches again)."""
+    if not model.moe:
+        return 0.0
+    passes = 2 + (plan.recompute == "full")
+    ranks = plan.tp * plan.cp * plan.dp
+    return ranks * model.moe_layers * plan.microbatches * passes * _ep_per_layer_pass(model, plan, element)
+
+
+def expert_dp_sent_by_kind(system: System, plan: Plan, expert_params: float, element=BF16) -> dict:
+    """Bytes one device sends per step reducing `expert_params` routed-expert parameters over the
+    expert-data-parallel group (tp x cp x dp / (etp x ep) ranks, not dp x cp): an all-reduce with
+    ZeRO 0, a reduce-scatter and the weights' all-gather with the distributed optimizer, as
+    experts.expert_reduction_times prices them."""
+    _, _, edp = experts.expert_sizes(columns_of(plan))
+    edp = float(edp)
+    if edp <= 1 or not expert_params:
+        return {}
+    grads = system.framework.grad_bytes_per_param * expert_params
+    if plan.zero == 0:
+        return {tpc.ALL_REDUCE: tpc.sent_bytes(tpc.ALL_REDUCE, grads, edp)}
+    out = {tpc.REDUCE_SCATTER: tpc.sent_bytes(tpc.REDUCE_SCATTER, grads, edp)}
+    if plan.zero == 1:
+        out[tpc.ALL_GATHER] = tpc.sent_bytes(tpc.ALL_GATHER, element * expert_params, edp)
+    return out
+
+
 def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "bf16") -> dict:
-    """{"tp", "cp", "pp", "dp", "total"}: bytes the whole job sends in one step, training in `dtype`
-    (fp32 sends 4-byte activations and weights where bf16 sends 2)."""
+    """{"tp", "cp", "pp", "dp", "ep", "total"}: bytes the whole job sends in one step, training in
+    `dtype` (fp32 sends 4-byte activations and weights where bf16 sends 2). "dp" holds the gradient
+    reductions, a model with experts' routed experts over their expert-data-parallel group; "ep" the
+    dispatch and combine."""
     m, e = plan.microbatches, ELEMENT_BYTES.get(dtype, BF16)
     tp = plan.dp * m * _tp_per_microbatch(model, plan, e)  # every layer once per pipeline
     pp = plan.dp * m * _pp_per_microbatch(model, plan, e)  # linear in the tokens: cp ranks send 1/cp each
     cp = plan.dp * m * _cp_per_microbatch(model, plan, e)
     c = columns_of(plan)
     held = {pos: float(stage_params(model, c, pos)) for pos in pipeline.positions(c)}
-    stages = [held[pipeline.position_of(c, i)] for i in range(plan.pp)]
-    dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, p, e).values()) for p in stages)
+    routed = {pos: float(experts.stage_expert_params(model, c, stage_layer_count(model, c, pos))) if model.moe else 0.0
+              for pos in held}
+    stages = [pipeline.position_of(c, i) for i in range(plan.pp)]
+    dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, held[p] - routed[p], e).values())
+                                           + sum(expert_dp_sent_by_kind(system, plan, routed[p], e).values())
+                                           for p in stages)
+    ep = _ep_sent(model, plan, e)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
         pp += plan.tp * plan.cp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)
-    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "total": tp + cp + pp + dp}
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep, "total": tp + cp + pp + dp + ep}

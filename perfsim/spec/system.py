@@ -118,8 +118,8 @@ ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 ZERO_IMPLEMENTATIONS = ("deepspeed", "fsdp2")
 # Operations the optional per-operation tables may name (collectives.operation_efficiency.<op>,
 # collectives.operation_latency_factor.<op>, collectives.operation_step_overhead_s.<op>); "send" is
-# the point-to-point hop of a pipeline.
-OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
+# the point-to-point hop of a pipeline, "all_to_all" expert parallelism's dispatch and combine.
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "all_to_all")
 # Optional per-operation tables, "section.table" -> (the names an entry may have, what a name is,
 # allowed range of each entry's value, value of a name the table leaves out). A collective
 # efficiency is a fraction, a latency factor any positive multiplier, a step overhead seconds; an
