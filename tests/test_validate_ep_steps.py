@@ -2,8 +2,9 @@
 and 4 ranks (validate.timing.expert_plans), and the timed steps of those at 2 ranks
 (validate.steps -> validate.expert_parallel, bf16 on gloo; EP over data-parallel ranks and folded
 into the attention's tensor-parallel ones) count what perfsim predicts: FLOPs
-exactly, the all-to-all bytes exactly up to the probabilities' all-to-all
-(validate.moe_check.named_differences), memory near it. tests/test_validate_moe.py checks the
+exactly, the all-to-all bytes exactly (the probabilities' beside the tokens), every byte the step
+sends exactly on the dp plans (perfsim.cost.traffic: the all-to-alls and the experts' reduction
+over expert-DP), memory near it. tests/test_validate_moe.py checks the
 layer and the step rank by rank against a single-process run."""
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def test_perfsim_validate_times_a_model_with_experts_default_plans(run_cli, tmp_
             assert named_differences(model, plan, 2)["all_to_all_bytes"] == 0
             assert e["comm_bytes_counted_by_kind"]["all_to_all"] == 2 * (one + probabilities), e["label"]
         # every collective the step sends, the all-to-alls and the experts' reduction over expert-DP
-        # included; over tp 2 + SP less the replicated weights' gradient all-reduce perfsim leaves
-        # out: the dense model's 1280 bytes (docs/real-steps-experts.md) and the routers' (h x experts a
-        # MoE layer, bf16 gradients, each of the 2 ranks sending 2 (2-1)/2 of them)
-        router = 2 * model.moe_layers * model.hidden * model.experts * 2 if plan.tp > 1 else 0
-        assert e["comm_bytes"]["counted"] - e["comm_bytes"]["predicted"] == (1280 + router if plan.tp > 1 else 0), \
+        # included; over tp 2 + SP less the all-reduce of the gradients of the weights SP replicates,
+        # which perfsim leaves out: the norms' (2 a layer and the final one, h each) and the routers'
+        # (h x experts a MoE layer), bf16, each of the 2 ranks sending 2 (2-1)/2 of them: 1280 + 2048
+        norms = 2 * (2 * model.layers + 1) * model.hidden * 2
+        router = 2 * model.moe_layers * model.hidden * model.experts * 2
+        assert e["comm_bytes"]["counted"] - e["comm_bytes"]["predicted"] == (norms + router if plan.tp > 1 else 0), \
             e["label"]
         assert e["activation_bytes"]["counted"] == pytest.approx(e["activation_bytes"]["predicted"], rel=0.10), e["label"]
         assert e["peak_memory_bytes"]["measured"] == pytest.approx(e["peak_memory_bytes"]["predicted"], rel=0.10), \

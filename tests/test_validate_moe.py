@@ -111,7 +111,8 @@ def test_flops_bytes_and_saved_activations_equal_the_count(results):
 def test_flops_all_to_all_bytes_and_saved_activations_equal_perfsims(results):
     """Against perfsim (perfsim.predict, perfsim.cost.experts), balanced routing, every rank:
     FLOPs exactly; the all-to-all bytes and one MoE layer's saved bytes exactly up to the named
-    differences (validate.moe_check.named_differences: the probabilities' all-to-all, and what
+    differences (validate.moe_check.named_differences: none for the all-to-alls since perfsim prices the
+    probabilities' beside the tokens, and what
     Megatron-Core 0.13 keeps for backward where perfsim prices the layer before it)."""
     for case, rank in each_rank(results):
         name, theirs, named = case["case"], rank["perfsim"], rank["named_differences"]
