@@ -25,7 +25,9 @@ was measured with the very formulas predictions use):
   all measured operations, group shapes and sizes, together with one efficiency and one latency
   factor per operation (collectives.operation_efficiency / operation_latency_factor) when more than
   one operation was measured. The report also shows the link classes alone and a model-free check
-  of the measurements' own scatter (each point from its neighbour sizes).
+  of the measurements' own scatter (each point from its neighbour sizes). All-to-all points
+  (expert parallelism) are fitted after, on those link classes, into the all_to_all entries of the
+  same tables and its step overhead (collectives.fit_all_to_all).
 
 Held out: a quarter of the GEMM shapes and of the message and tensor sizes, chosen by a hash of
 the size (so the same sizes for every dtype, op and group), are never used in the fit; their
