@@ -437,7 +437,7 @@ LEDGER_LINES = [
     ("shape-float", _with("gemm", _set("shape.k", 64.5))),
     ("shape-2-to-50", _with("gemm", _set("shape.n", 2**50))),
     ("collective-op-dunder", _with("collective", _set("op", "__init__"))),
-    ("collective-op-unknown", _with("collective", _set("op", "all_to_all"))),
+    ("collective-op-unknown", _with("collective", _set("op", "all_to_some"))),
     ("group-of-one", _with("collective", _set("group", [1, 1]))),
     ("group-2-to-40", _with("collective", _set("group", [2**40, 1]))),
     ("group-three-numbers", _with("collective", _set("group", [2, 1, 1]))),
