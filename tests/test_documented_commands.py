@@ -21,6 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OUTPUT_FLAGS = ("--out", "--html", "--trace", "--emit-slurm")
 
+# The small mixture of experts docs/real-steps-experts.md measures.
+EXPERTS_MODEL = ("layers=2,hidden=64,heads=4,kv_heads=2,ffn=160,activation=swiglu,norm=rmsnorm,bias=false,"
+                 "learned_positions=false,seq=32,vocab=512,tied_embeddings=false,dropout=false,experts=4,topk=2,"
+                 "expert_ffn=32,shared_expert_ffn=64")
 MINUTES = "starts torch ranks and measures for minutes (even --quick ran over ten minutes on the 2-core test VM)"
 # Written command (its words joined by single spaces) -> why it is not run. Each is still parsed
 # by perfsim's argument parser, so a renamed or removed flag is caught.
@@ -37,6 +41,15 @@ NOT_RUN = {
         MINUTES + " (the command validate's mismatch warning prints)",
     "perfsim validate --device cpu --nproc 2 --steps 4 --rounds 6 --ledger hwprofiles/ledgers/validation-cpu.jsonl":
         "runs real training steps for an hour; it would also append to the committed ledger",
+    "perfsim calibrate --device cpu --nproc 2 --suites collective --model " + EXPERTS_MODEL
+    + " --plans dp=2,ep=2;tp=2,sp=true,ep=2,etp=1 --dtypes bf16 --no-fit --ledger a2a.jsonl":
+        "measures all-to-all points on torch ranks: minutes (docs/real-steps-experts.md)",
+    "perfsim validate --device cpu --nproc 2 --model " + EXPERTS_MODEL
+    + " --system cpu-calibrated-a2a.toml --ledger v2.jsonl --json":
+        "real expert-parallel steps on torch ranks (tests/test_validate_ep_steps.py runs such steps)",
+    "perfsim validate --device cpu --nproc 4 --model " + EXPERTS_MODEL
+    + " --system cpu-calibrated-a2a.toml --ledger v4.jsonl --json":
+        "real expert-parallel steps on 4 torch ranks",
 }
 # Synopses: written command -> (what runs instead, why). None: not run, only the reason.
 SYNOPSES = {
