@@ -361,28 +361,6 @@ def h100_markdown(rows, strong) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    print("## SC21 Table 1 on dgx-a100\n")
-    print(sc21_markdown(sc21_table()))
-    print("\n## SMNG-P2: the authors' plans\n")
-    print(smng_plans_markdown())
-    print()
-    print(xe_link_sensitivity())
-    print("\n## SMNG-P2 scaling protocol\n")
-    print(smng_scaling_markdown(smng_scaling()))
-    print("rank_jitter conditioned on the paper (P10 / P50 / P90): "
-          + " / ".join(f"{x:.3f}" for x in conditioned_rank_jitter()))
-    print(f"network_efficiency weak scaling would need without the synchrony term: {fit_network_efficiency():.4f}")
-    print("\n## 3D tensor parallelism on 64 V100 (v100-tacc): speed-up of 3d over the other modes\n")
-    print(tp3d_markdown())
-    print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")
-    print(smng_tp_markdown(smng_tp_modes()))
-    print("\n## Megatron-LM on H100 (dgx-h100)\n")
-    print(h100_markdown(h100_table(), h100_strong()))
-    print("\n## Mixture of experts on H100: Megatron-Bridge (dgx-h100)\n")
-    print(moe_markdown(moe_table()))
-
-
 # --- Mixture of experts on H100: NVIDIA Megatron-Bridge's tables (published.md section 7) ---
 @dataclass(frozen=True)
 class MoeRow:
@@ -489,3 +467,25 @@ def moe_markdown(rows) -> str:
     out.append(f"- mean absolute error {sum(map(abs, errors)) / len(errors):.1%}, largest {max(map(abs, errors)):.1%}, "
                f"mean {sum(errors) / len(errors):+.1%}")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print("## SC21 Table 1 on dgx-a100\n")
+    print(sc21_markdown(sc21_table()))
+    print("\n## SMNG-P2: the authors' plans\n")
+    print(smng_plans_markdown())
+    print()
+    print(xe_link_sensitivity())
+    print("\n## SMNG-P2 scaling protocol\n")
+    print(smng_scaling_markdown(smng_scaling()))
+    print("rank_jitter conditioned on the paper (P10 / P50 / P90): "
+          + " / ".join(f"{x:.3f}" for x in conditioned_rank_jitter()))
+    print(f"network_efficiency weak scaling would need without the synchrony term: {fit_network_efficiency():.4f}")
+    print("\n## 3D tensor parallelism on 64 V100 (v100-tacc): speed-up of 3d over the other modes\n")
+    print(tp3d_markdown())
+    print("\n## SMNG-P2, 175B on 16 nodes: tensor-parallel layouts\n")
+    print(smng_tp_markdown(smng_tp_modes()))
+    print("\n## Megatron-LM on H100 (dgx-h100)\n")
+    print(h100_markdown(h100_table(), h100_strong()))
+    print("\n## Mixture of experts on H100: Megatron-Bridge (dgx-h100)\n")
+    print(moe_markdown(moe_table()))

@@ -71,3 +71,14 @@ def test_the_fitted_value_is_the_fit():
     value, error, _ = fit_h100_unattributed()
     assert value == pytest.approx(load_system("dgx-h100").device.unattributed_at_scale_ratio, abs=0.0015)
     assert error <= 0.05
+
+
+def test_the_reproduction_script_runs_to_its_end():
+    """`python -m perfsim.reproduce` (docs/reproduction.md) once ended in a NameError: its main block
+    called the MoE table's functions before the module had defined them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "perfsim.reproduce"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "## Mixture of experts on H100" in done.stdout and "mean absolute error" in done.stdout
