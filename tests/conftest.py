@@ -97,6 +97,13 @@ def run_rank_check(tmp_path_factory, module: str, world: int, *args: str) -> dic
     return data
 
 
+def each_rank(results: dict):
+    """(case, rank) for every rank of every case a rank check wrote (run_rank_check)."""
+    for case in results["cases"]:
+        for rank in case["ranks"]:
+            yield case, rank
+
+
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
     """A one-rank gloo process group in this process, for harness code that needs a group but no

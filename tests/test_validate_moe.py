@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-from conftest import run_rank_check  # noqa: E402
+from conftest import each_rank, run_rank_check  # noqa: E402
 from perfsim.spec.model import load_model  # noqa: E402
 from validate import llama  # noqa: E402
 from validate.gpt import GPT, GPTConfig  # noqa: E402
@@ -73,12 +73,6 @@ def results(request, tmp_path_factory):
     data = run_rank_check(tmp_path_factory, "validate.moe_check", request.param)
     assert [c["case"] for c in data["cases"]] == CASES[request.param]
     return data
-
-
-def each_rank(results):
-    for case in results["cases"]:
-        for rank in case["ranks"]:
-            yield case, rank
 
 
 @pytest.mark.multiprocess

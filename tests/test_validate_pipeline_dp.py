@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import run_rank_check  # noqa: E402
+from conftest import each_rank, run_rank_check  # noqa: E402
 from validate.pp_dp_check import CASES  # noqa: E402
 
 # Loss: the pipeline computes exactly the reference's operations (measured 2e-7 relative: the
@@ -39,12 +39,6 @@ def results(request, tmp_path_factory):
     data = run_rank_check(tmp_path_factory, "validate.pp_dp_check", world, *extra)
     assert [c["case"] for c in data["cases"]] == RUNS[request.param]
     return data
-
-
-def each_rank(results):
-    for case in results["cases"]:
-        for rank in case["ranks"]:
-            yield case, rank
 
 
 @pytest.mark.multiprocess
