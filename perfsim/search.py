@@ -304,16 +304,6 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
         yield mode, {k: v[keep] for k, v in cols.items()}
 
 
-def valid_batches(cols: dict, rows: dict, invalid: np.ndarray):
-    """(order, columns of at most BATCH plans) for every rank order of `rows` (order_rows) and
-    the valid rows it is a candidate for: what the search evaluates, call by call."""
-    for order, mask in rows.items():
-        valid = np.flatnonzero(mask & ~invalid)
-        for chunk in range(0, len(valid), BATCH):
-            index = valid[chunk: chunk + BATCH]
-            yield order, {k: v[index] for k, v in cols.items()}
-
-
 def order_rows(cols: dict, orders) -> dict:
     """For each rank order of `orders`, the rows (a mask) it is a candidate for: orders that differ
     only in where size-1 dimensions sit number the ranks alike, so a row takes the first of them."""
@@ -369,24 +359,74 @@ def rejection_reasons(model: ModelSpec, mode: str, cols: dict) -> list[tuple[str
     return reasons
 
 
-def classified(model: ModelSpec, devices: int, gbs: int, fixes: dict, rejected: dict) -> tuple[int, list]:
-    """The whole space as (candidates, counting each rank order a row stands for; [(mode, columns,
-    order_rows, invalid mask)]), each rejection reason's count added to `rejected`: what the search
-    and the robust search (perfsim.uncertainty.robust) evaluate, through valid_batches."""
-    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
-    groups = [(mode, cols, order_rows(cols, orders)) for mode, cols in candidates(model, devices, gbs, fixes)]
-    space = sum(int(mask.sum()) for _, _, rows in groups for mask in rows.values())
-    out = []
-    for mode, cols, rows in groups:
-        times = sum(mask.astype(int) for mask in rows.values())  # the rank orders each row stands for
-        invalid = np.zeros(len(cols["tp"]), dtype=bool)
-        for reason, mask in rejection_reasons(model, mode, cols):
-            new = mask & ~invalid
-            if new.any():
-                rejected[reason] = rejected.get(reason, 0) + int(times[new].sum())
-            invalid |= mask
-        out.append((mode, cols, rows, invalid))
-    return space, out
+@dataclass
+class ModeCandidates:
+    """The candidates of one tensor-parallel mode, classified: the first rejection reason each
+    invalid row fails (the charts count them by cell)."""
+    mode: str
+    cols: dict  # every candidate of the mode (numpy columns)
+    order_rows: dict  # rank order -> the rows it is a candidate for (order_rows)
+    reasons: list  # rejection reasons, in the order plan_problems checks them
+    first_reason: np.ndarray  # per row, the index into `reasons` of the first it fails; -1 for a valid row
+
+    def rejections(self):
+        """(reason, rows that fail it and none before it), for the reasons some row fails first."""
+        for j in np.unique(self.first_reason[self.first_reason >= 0]):
+            yield self.reasons[j], self.first_reason == j
+
+
+@dataclass
+class Batch:
+    """At most BATCH valid plans of one mode and rank order, and what evaluate makes of them."""
+    mode: str
+    order: str
+    cols: dict  # the plans' numpy columns (plan_at reads them)
+    columns: Columns  # the same as the cost layer reads them
+    result: dict  # evaluate's
+
+
+class PlanSpace:
+    """Every plan for a model, device count, global batch and --fix: classified once, then walked
+    batch by batch. The one loop behind search, the robust search (perfsim.uncertainty.robust) and
+    the charts' sweep (perfsim.charts.space)."""
+
+    def __init__(self, model: ModelSpec, devices: int, gbs: int, fixes: dict):
+        self.model = model
+        orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
+        self.modes = []
+        self.rejected: dict = {}  # reason -> candidates it rejects, each rank order counted
+        self.candidates = 0  # the space, each rank order a row stands for counted
+        for mode, cols in candidates(model, devices, gbs, fixes):
+            rows = order_rows(cols, orders)
+            times = sum(mask.astype(int) for mask in rows.values())  # the rank orders each row stands for
+            self.candidates += int(times.sum())
+            named = rejection_reasons(model, mode, cols)
+            first = np.full(len(cols["tp"]), -1, dtype=np.int8)
+            for j, (_, mask) in enumerate(named):
+                first[mask & (first < 0)] = j
+            invalid = first >= 0
+            rows_failing = np.bincount(first[invalid], minlength=len(named))
+            counts = np.bincount(first[invalid], weights=times[invalid], minlength=len(named))
+            for (reason, _), failing, n in zip(named, rows_failing, counts):
+                if failing:
+                    self.rejected[reason] = self.rejected.get(reason, 0) + int(n)
+            self.modes.append(ModeCandidates(mode, cols, rows, [reason for reason, _ in named], first))
+
+    def valid(self):
+        """(mode, order, columns of at most BATCH valid plans) for every rank order of every mode
+        and the valid rows it is a candidate for."""
+        for m in self.modes:
+            for order, mask in m.order_rows.items():
+                valid = np.flatnonzero(mask & (m.first_reason < 0))
+                for chunk in range(0, len(valid), BATCH):
+                    index = valid[chunk: chunk + BATCH]
+                    yield m.mode, order, {k: v[index] for k, v in m.cols.items()}
+
+    def batches(self, system: System, dtype: str = "bf16"):
+        """Every valid plan evaluated on `system`, a Batch at a time."""
+        for mode, order, cols in self.valid():
+            columns = to_columns(mode, order, cols)
+            yield Batch(mode, order, cols, columns, evaluate(self.model, system, columns, dtype))
 
 
 @dataclass
@@ -481,30 +521,29 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     if rank not in RANKINGS:
         raise PerfsimError(f"rank must be one of {', '.join(RANKINGS)}, got {rank!r}")
     start = time.perf_counter()
-    rejected: dict = {}
     evaluated = feasible = 0
     kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
-    space, groups = classified(model, devices, gbs, fixes, rejected)
-    for mode, cols, rows, invalid in groups:
-        for order, sub in valid_batches(cols, rows, invalid):
-            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
-            evaluated += len(sub["tp"])
-            fits = np.asarray(r["fits"], dtype=bool)
-            if (~fits).any():
-                too_big = "does not fit in device memory"
-                rejected[too_big] = rejected.get(too_big, 0) + int((~fits).sum())
-            feasible += int(fits.sum())
-            ok = np.flatnonzero(fits)
-            if len(ok):
-                score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
-                speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
-                best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
-                chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
-                position = {int(i): j for j, i in enumerate(ok)}
-                kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
-                          float(memory[position[i]])) for i in chosen]
-            if progress and space > 1_000_000:
-                progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
+    space = PlanSpace(model, devices, gbs, fixes)
+    rejected = dict(space.rejected)
+    for batch in space.batches(system, dtype):
+        r, mode, order, sub = batch.result, batch.mode, batch.order, batch.cols
+        evaluated += len(sub["tp"])
+        fits = np.asarray(r["fits"], dtype=bool)
+        if (~fits).any():
+            too_big = "does not fit in device memory"
+            rejected[too_big] = rejected.get(too_big, 0) + int((~fits).sum())
+        feasible += int(fits.sum())
+        ok = np.flatnonzero(fits)
+        if len(ok):
+            score = np.asarray(_score(rank, r, system.device.memory_bytes))[ok]
+            speed, memory = np.asarray(r["tokens_per_s"])[ok], np.asarray(r["memory_bytes"]["total"])[ok]
+            best = ok[np.argsort(-score, kind="stable")[:top]] if len(ok) > top else ok
+            chosen = set(best.tolist()) | set(ok[pareto_front(speed, memory)].tolist())
+            position = {int(i): j for j, i in enumerate(ok)}
+            kept += [(float(score[position[i]]), mode, order, sub, i, float(speed[position[i]]),
+                      float(memory[position[i]])) for i in chosen]
+        if progress and space.candidates > 1_000_000:
+            progress(f"search: {evaluated:,} valid plans evaluated ({mode}, order {order})")
     seconds = time.perf_counter() - start
     if feasible == 0:
         raise PerfsimError(nothing_fits(evaluated, rejected, devices, gbs))
@@ -514,7 +553,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     memory = np.array([k[6] for k in kept])
     front = sorted((kept[i] for i in pareto_front(speed, memory)), key=lambda k: k[6])
     pareto = [predict(model, system, plan_at(m, o, s, i), dtype) for _, m, o, s, i, _, _ in front]
-    return SearchResult(evaluated, feasible, rejected, plans, pareto, seconds, space)
+    return SearchResult(evaluated, feasible, rejected, plans, pareto, seconds, space.candidates)
 
 
 def pareto_front(speed: np.ndarray, memory: np.ndarray) -> np.ndarray:

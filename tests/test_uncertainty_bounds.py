@@ -12,7 +12,7 @@ import pytest
 
 from perfsim.cost.columns import columns_of, columns_of_many, rows_of, stacked
 from perfsim.predict import evaluate
-from perfsim.search import classified, plan_at, valid_batches
+from perfsim.search import PlanSpace, plan_at
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import _OPERATION_TABLES, _OPTIONAL, _RULES, available_systems, load_system
@@ -115,9 +115,8 @@ def test_a_batch_of_several_rank_orders_prices_each_row_as_its_own_order():
 def _brute_force(model, draws, devices, gbs):
     """P(best) and P(within 5%) of every valid plan, each priced under every draw."""
     plans = []
-    for mode, cols, rows, invalid in classified(model, devices, gbs, {}, {})[1]:
-        for order, sub in valid_batches(cols, rows, invalid):
-            plans += [plan_at(mode, order, sub, i) for i in range(len(sub["tp"]))]
+    for mode, order, sub in PlanSpace(model, devices, gbs, {}).valid():
+        plans += [plan_at(mode, order, sub, i) for i in range(len(sub["tp"]))]
     r = evaluate_plans(model, draws, plans)
     steps = np.where(r["memory_total_bytes"] <= draws.system.device.memory_bytes, r["step_time_s"], np.inf)
     best = steps.min(axis=0)

@@ -11,9 +11,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from perfsim.charts._common import GIB, case_line, plan_label, style, title
-from perfsim.charts.space import Batch, Rejected, sweep
+from perfsim.charts.space import sweep
 from perfsim.errors import PerfsimError
-from perfsim.search import TEXT_KNOBS, plan_at
+from perfsim.search import TEXT_KNOBS, Batch, ModeCandidates, plan_at
 from perfsim.spec.plan import RECOMPUTE, SCHEDULES, TP_MODES
 
 KNOB_TITLES = {
@@ -89,7 +89,7 @@ class Grid:
         return np.unique(pairs, axis=0, return_inverse=True)
 
     def add(self, event) -> None:
-        if isinstance(event, Rejected):
+        if isinstance(event, ModeCandidates):
             # a row counts once per rank order it is a candidate for: in that order's cell when
             # order is an axis, else as many times in its cell
             if "order" in (self.x, self.y):
@@ -105,7 +105,7 @@ class Grid:
                 total = np.bincount(inverse, weights=times, minlength=len(pairs))
                 for j, pair in enumerate(pairs):
                     self._cell(tuple(pair)).candidates += int(total[j])
-                for reason, mask in event.reasons:
+                for reason, mask in event.rejections():
                     counts = np.bincount(inverse[mask[rows]], weights=times[mask[rows]], minlength=len(pairs))
                     for j in np.flatnonzero(counts):
                         rejected = self._cell(tuple(pairs[j])).rejected

@@ -1,9 +1,9 @@
 """One pass over a search space for the charts, and the plans the what-if chart keeps.
 
-`sweep` walks the same space as `perfsim.search.search` (its `candidates` and
-`rejection_reasons`, evaluated with `perfsim.predict.evaluate` in the same vectorised batches) and
-hands every batch to consumers, so that one pass feeds several charts: `PlanPool` keeps the plans
-that can be best when the hardware changes, `heatmap.Grid` reduces the batches to cells.
+`sweep` walks the same space as `perfsim.search.search` (its PlanSpace, evaluated in the same
+vectorised batches) and hands every batch to consumers, so that one pass feeds several charts:
+`PlanPool` keeps the plans that can be best when the hardware changes, `heatmap.Grid` reduces the
+batches to cells.
 """
 
 from __future__ import annotations
@@ -14,57 +14,25 @@ import numpy as np
 
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
-from perfsim.search import (TEXT_KNOBS, allowed_values, candidates, order_rows, pareto_front, plan_at,
-                            rejection_reasons, to_columns, valid_batches)
+from perfsim.search import Batch, PlanSpace, pareto_front, plan_at, to_columns
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
 
 
-@dataclass
-class Rejected:
-    """The candidates of one tensor-parallel mode and the first reason each invalid one fails."""
-    mode: str
-    cols: dict            # every candidate of the mode (numpy columns)
-    reasons: list         # (reason, mask): plans that fail this reason and none before it
-    order_rows: dict      # rank order -> the rows it is a candidate for (search.order_rows)
-
-
-@dataclass
-class Batch:
-    """Valid plans of one mode and rank order with their evaluation."""
-    mode: str
-    order: str
-    cols: dict
-    result: dict
-
-
 def sweep(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict | None = None,
           dtype: str = "bf16", consumers=()) -> dict:
-    """Evaluate every valid plan once, handing each Rejected and Batch to every consumer's `add`.
-    Returns counts: candidates, evaluated, feasible."""
-    fixes = fixes or {}
-    orders = allowed_values(fixes, "order", TEXT_KNOBS["order"])
-    counts = {"candidates": 0, "evaluated": 0, "feasible": 0}
-    for mode, cols in candidates(model, devices, gbs, fixes):
-        rows = order_rows(cols, orders)
-        counts["candidates"] += sum(int(mask.sum()) for mask in rows.values())
-        invalid = np.zeros(len(cols["tp"]), dtype=bool)
-        first = []
-        for reason, mask in rejection_reasons(model, mode, cols):
-            new = np.asarray(mask & ~invalid, dtype=bool)
-            if new.any():
-                first.append((reason, new))
-            invalid |= mask
-        event = Rejected(mode, cols, first, rows)
+    """Evaluate every valid plan once (search.PlanSpace), handing each mode's ModeCandidates, then
+    each Batch, to every consumer's `add`. Returns counts: candidates, evaluated, feasible."""
+    space = PlanSpace(model, devices, gbs, fixes or {})
+    counts = {"candidates": space.candidates, "evaluated": 0, "feasible": 0}
+    for event in space.modes:
         for c in consumers:
             c.add(event)
-        for order, sub in valid_batches(cols, rows, invalid):
-            r = evaluate(model, system, to_columns(mode, order, sub), dtype)
-            counts["evaluated"] += len(sub["tp"])
-            counts["feasible"] += int(np.count_nonzero(r["fits"]))
-            batch = Batch(mode, order, sub, r)
-            for c in consumers:
-                c.add(batch)
+    for batch in space.batches(system, dtype):
+        counts["evaluated"] += len(batch.cols["tp"])
+        counts["feasible"] += int(np.count_nonzero(batch.result["fits"]))
+        for c in consumers:
+            c.add(batch)
     return counts
 
 

@@ -291,7 +291,7 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     """
     import time
 
-    from perfsim.search import classified, to_columns, valid_batches
+    from perfsim.search import PlanSpace
     from perfsim.uncertainty.bounds import optimistic_numbers, pessimistic_numbers
 
     start = time.perf_counter()
@@ -300,18 +300,16 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     capacity = system.device.memory_bytes
     fast_numbers, slow_numbers = optimistic_numbers(draws), pessimistic_numbers(draws)
     fast = with_numbers(system, fast_numbers)
-    rejected: dict = {}
-    space, groups = classified(model, devices, gbs, fixes, rejected)
+    space = PlanSpace(model, devices, gbs, fixes)
+    rejected = space.rejected
     parts: dict = {}
     valid = 0
-    for mode, cols, rows, invalid in groups:
-        for order, sub in valid_batches(cols, rows, invalid):
-            c = to_columns(mode, order, sub)
-            lower = _steps(evaluate(model, fast, c, dtype), capacity)
-            valid += len(lower)
-            keep = np.flatnonzero(np.isfinite(lower))
-            parts.setdefault(mode, []).append(Family(mode, rows_of(c, keep), np.full(len(keep), order, dtype=object),
-                                                     lower[keep]))
+    for batch in space.batches(fast, dtype):
+        lower = _steps(batch.result, capacity)
+        valid += len(lower)
+        keep = np.flatnonzero(np.isfinite(lower))
+        parts.setdefault(batch.mode, []).append(Family(batch.mode, rows_of(batch.columns, keep),
+                                                       np.full(len(keep), batch.order, dtype=object), lower[keep]))
     if progress:
         progress(f"robust search: {valid:,} valid plans bounded at the optimistic corner")
     families = [Family(mode, stacked([f.columns for f in fs]), np.concatenate([f.orders for f in fs]),
@@ -390,5 +388,5 @@ def rank_space(model, draws, devices: int, gbs: int, fixes: dict | None = None, 
     priced = int(sum(p.sum() for p in ever_priced))
     shares = {families[k].plan(int(i)): (float(-best / draws.n), float(-within / draws.n))
               for within, best, _, k, i in plausible}
-    return RobustSearch(ranked, shares, "", draws.n, space, rejected, valid, valid - fitting, fitting - priced, priced,
+    return RobustSearch(ranked, shares, "", draws.n, space.candidates, rejected, valid, valid - fitting, fitting - priced, priced,
                         plan_draws, time.perf_counter() - start)
