@@ -279,11 +279,22 @@ def test_the_harness_is_priced_as_it_trains_on_each_device():
 
 # --- the host's time per layer, by what the layer dispatches ---
 
+# Layers the host tables must price: GPT, each Llama feature alone, their mixes, MoE layers
+# (one device; expert parallelism's are tests/test_validate_moe.py's)
+LAYER_VARIANTS = ("", ",activation=swiglu", ",activation=squared-relu,norm=rmsnorm", ",bias=false",
+                  ",learned_positions=false", ",kv_heads=2", ",learned_positions=false,kv_heads=2,activation=swiglu",
+                  ",activation=swiglu,norm=rmsnorm,bias=false,learned_positions=false,kv_heads=2",
+                  ",activation=swiglu,norm=rmsnorm,bias=false,learned_positions=false,kv_heads=2,experts=4,topk=2,"
+                  "expert_ffn=16,shared_expert_ffn=32",
+                  ",bias=false,experts=2,topk=1,expert_ffn=16", ",activation=squared-relu,bias=false,experts=3,topk=2,expert_ffn=8")
+
+
 def test_the_harness_layer_dispatches_the_ops_perfsim_scales_its_host_time_by():
     torch = pytest.importorskip("torch")
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from perfsim.cost.host import HARNESS_LAYER_OPS
+    from perfsim.cost.columns import columns_of
+    from perfsim.cost.host import HARNESS_LAYER_OPS, harness_layer_ops
     from validate.gpt import GPT, GPTConfig
 
     class Count(TorchDispatchMode):
@@ -293,19 +304,28 @@ def test_the_harness_layer_dispatches_the_ops_perfsim_scales_its_host_time_by():
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    def ops(layers, recompute, attention):
+    def ops(spec, recompute, attention):
         torch.manual_seed(0)
-        model = GPT(GPTConfig.from_spec(load_model(oh.CALIBRATION_MODEL.format(layers=layers)), 1, recompute,
-                                        attention)).to(torch.bfloat16)
-        tokens = torch.randint(0, 2048, (1, 128))
+        model = GPT(GPTConfig.from_spec(load_model(spec), 1, recompute, attention)).to(torch.bfloat16)
+        tokens = torch.randint(0, 256, (1, 16))
+        model.loss(tokens, tokens).backward()  # one-off work (the causal mask, built once per shape)
         Count.n = 0
         with Count():
             model.loss(tokens, tokens).backward()
         return Count.n
 
-    ops(1, "none", "unfused")  # one-off work (the causal mask, built once per shape) before counting
-    for attention, counts in HARNESS_LAYER_OPS.items():
-        assert tuple(ops(2, rc, attention) - ops(1, rc, attention) for rc in ("none", "selective", "full")) == counts
+    base = "hidden=32,heads=4,seq=16,vocab=256,tied_embeddings=false,dropout=false"
+    for attention, counts in HARNESS_LAYER_OPS.items():  # the calibration model's layer
+        calibration = oh.CALIBRATION_MODEL.format(layers="{}")
+        assert tuple(ops(calibration.format(2), rc, attention) - ops(calibration.format(1), rc, attention)
+                     for rc in ("none", "selective", "full")) == counts
+    for variant in LAYER_VARIANTS:
+        for attention in ("unfused", "flash"):
+            for code, rc in enumerate(("none", "selective", "full")):
+                counted = ops(f"layers=2,{base}{variant}", rc, attention) - ops(f"layers=1,{base}{variant}", rc, attention)
+                model = load_model(f"layers=2,{base}{variant}")
+                priced = harness_layer_ops(model, columns_of(Plan(mbs=1, gbs=1, attention=attention, recompute=rc)), code)
+                assert counted == priced, (variant, attention, rc)
 
 
 def test_the_host_time_of_a_layer_follows_its_ops():

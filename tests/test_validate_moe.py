@@ -193,3 +193,20 @@ def test_the_fit_prices_all_to_all_points_as_one_of_the_profiles_collective_oper
     assert row.fit_points + row.held_points == 4
     assert calibration_problem(dict(records[0], stats={"min_s": 1e-3, "median_s": 1e-3, "mean_s": 1e-3},
                                     key="collective:x", timing="interleaved", schema=1)) is None
+
+
+@pytest.mark.multiprocess
+def test_a_moe_layer_dispatches_the_ops_perfsim_prices_its_host_time_by(results):
+    """The ops one MoE layer dispatches forward and backward on each rank (validate.moe_check counts
+    them, the layer alone: no checkpointing) equal perfsim.cost.host.harness_moe_ops for the
+    case's plan: each dispatcher, EP 1, 2 and 4, folded into the attention's ranks or not, tensor-
+    parallel experts."""
+    from perfsim.cost.columns import columns_of
+    from perfsim.cost.host import harness_moe_ops
+    from validate.moe_check import case_plan
+
+    model = load_model(MODEL)
+    for case, rank in each_rank(results):
+        expected = harness_moe_ops(model, columns_of(case_plan(case["case"])), 0)
+        routing = 3 * (case["routing"] == "topk")  # the counts' all-gather, not priced
+        assert rank["moe_layer_ops"] == expected + routing, case["case"]

@@ -198,6 +198,19 @@ def fused_attention_flops(func, args) -> int:
     return FUSED_ATTENTION_PRODUCTS[passed] * 2 * b * heads * s_q * k.shape[-2] * d
 
 
+class OpCounter(TorchDispatchMode):
+    """How many ops the host dispatches (every ATen op, of any tensor type): what
+    perfsim.cost.host's op tables count and scale the host's time per layer by."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 class LocalFlopCounter(TorchDispatchMode):
     """FlopCounterMode's formulas applied to the ops a rank really runs.
 

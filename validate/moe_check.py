@@ -213,7 +213,7 @@ def directions(plan) -> int:
 
 def run_case(torch, dist, model_spec: str, name: str) -> dict:
     from validate.gpt import GPT, GPTConfig
-    from validate.instrument import CollectiveCounter, LocalFlopCounter, SavedBytes
+    from validate.instrument import CollectiveCounter, LocalFlopCounter, OpCounter, SavedBytes
     from validate.expert_parallel import ExpertParallelStep
     from validate.moe import is_expert_parameter, moe_layers
     from validate.training import synthetic_batches
@@ -269,6 +269,11 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     with kept.hooks():
         out = layer(x)
     (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+    # the ops that layer dispatches forward and backward (perfsim.cost.host.harness_moe_ops)
+    ops = OpCounter()
+    with ops:
+        out = layer(leaf * 1.0)
+        (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
 
     dense = sum(p.numel() for n, p in step.module.named_parameters() if not is_expert_parameter(n))
     expert = sum(p.numel() for n, p in step.module.named_parameters() if is_expert_parameter(n))
@@ -277,7 +282,7 @@ def run_case(torch, dist, model_spec: str, name: str) -> dict:
     return {"rank": rank, "loss": float(every_loss) / dist.get_world_size(), "reference_loss": ref_loss,
             "grad_max_abs_error": worst, "grad_max_abs": largest,
             "flops": flops.total(), "sent_bytes_by_kind": sent,
-            "moe_layer_saved_bytes": kept.peak,
+            "moe_layer_saved_bytes": kept.peak, "moe_layer_ops": ops.ops,
             "hand": hand_count(model, plan, 4, dense, expert) if balanced else None,
             "perfsim": perfsim_count(model, plan, 4) if balanced else None,
             "named_differences": named_differences(model, plan, 4) if balanced else None}

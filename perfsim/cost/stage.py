@@ -129,9 +129,9 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
         layer_ep_bwd = np.where(c.ep_overlap, hidden_bwd, layer_ep_bwd)
     # the host time of each layer, a third in forward (docs/equations.md 8.1-8.2), and what
     # recomputation adds to it in backward
-    host = layer_host_overhead(system, c)
+    host = layer_host_overhead(system, model, c)
     host_fwd, host_bwd = host / 3, 2 * host / 3
-    recompute_host = recompute_host_overhead(system, c, host)
+    recompute_host = recompute_host_overhead(system, model, c, host)
     recompute = np.where(c.recompute == FULL, layer.time_s, np.where(c.recompute == SELECTIVE, layer.core_time_s, 0.0)) \
         + recompute_host
     recompute_tp = np.where(c.recompute == FULL, layer_tp_fwd, 0.0)
