@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from perfsim.predict import Prediction
-from perfsim.spec.plan import split_words, stack_words
+from perfsim.spec.plan import plan_summary
 
 
 def _bytes(n: float) -> str:
@@ -15,20 +15,9 @@ def _time(s: float) -> str:
 
 
 def format_prediction(p: Prediction) -> str:
-    plan = p.plan
-    sp = " +SP" if plan.sp else ""
-    if plan.tp_mode == "2.5d":
-        sp = f", depth {plan.tp_depth}"
-    if plan.tp_mode == "3d" and plan.tp_regather:
-        sp = ", re-gathering for backward"
-    vpp = f" x{plan.vpp} chunks" if plan.vpp > 1 else ""
-    vpp += f", {split_words(plan)}" if split_words(plan) else ""
     lines = [
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
-        f"plan: TP {plan.tp} ({plan.tp_mode}{sp}) x PP {plan.pp} ({plan.schedule}{vpp}) x DP {plan.dp}, "
-        f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs} "
-        f"({plan.microbatches} micro-batches per pipeline), recompute {plan.recompute}, order {plan.order}"
-        + (f", {stack_words(plan)}" if stack_words(plan) else ""),
+        f"plan: {plan_summary(p.plan, long=True)}",
         "",
         f"step time          {_time(p.step_time_s)}",
         f"throughput         {p.tokens_per_s:12,.0f} tokens/s   {p.samples_per_s:.3f} samples/s",
@@ -54,18 +43,6 @@ def format_prediction(p: Prediction) -> str:
     verdict = "fits" if p.fits else "DOES NOT FIT"
     lines.append(f"  {'capacity':<12} {_bytes(p.device_memory_bytes)}  -> {verdict}")
     return "\n".join(lines)
-
-
-def plan_summary(p) -> str:
-    """One line naming a prediction's plan and precision (perfsim search's tables)."""
-    plan = p.plan
-    mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" d{plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
-        + (" regather" if plan.tp_regather else "")
-    sched = plan.schedule + (f" v{plan.vpp}" if plan.vpp > 1 else "") + (f" ({split_words(plan)})" if split_words(plan) else "")
-    stack = stack_words(plan) + (f", {p.dtype}" if p.dtype != "bf16" else "")
-    stack = stack.lstrip(", ")
-    return (f"TP {plan.tp} {mode}, PP {plan.pp} {sched}, DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, "
-            f"recompute {plan.recompute}, {plan.order}" + (f", {stack}" if stack else ""))
 
 
 def _stage_lines(stages) -> list:

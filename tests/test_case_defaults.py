@@ -28,13 +28,13 @@ def _best(fixes=()):
 
 @pytest.mark.parametrize("kind", ["memory", "breakdown", "timeline", "scaling"])
 def test_charts_use_the_searched_plan_and_say_so(kind, tmp_path, capsys):
-    from perfsim.charts._common import plan_label
+    from perfsim.spec.plan import plan_summary
 
     code, out, err = _run(["chart", kind, *CASE, "--top", "1", "--node-counts", "2,4", "--out",
                            str(tmp_path / "c.html")], capsys)
     assert code == 0, err
     best = _best().plan
-    assert f"no plan flags given: using the best plan perfsim search finds: {plan_label(best)}" in err
+    assert f"no plan flags given: using the best plan perfsim search finds: {plan_summary(best)}" in err
     assert (tmp_path / "c.html").exists()
 
 

@@ -1,10 +1,9 @@
-"""What every chart shares: names and colours of the breakdown and memory terms, plan labels,
-the page style."""
+"""What every chart shares: names and colours of the breakdown and memory terms, the case line,
+the page style (plans in words: spec.plan.plan_summary)."""
 
 from __future__ import annotations
 
 from perfsim.schedule.analytic import BREAKDOWN_KEYS
-from perfsim.spec.plan import split_words, stack_words
 
 GIB = 2.0 ** 30
 
@@ -42,25 +41,6 @@ MEMORY_COLOURS = {"weights": "#4c78a8", "gradients": "#72b7b2", "optimizer": "#b
 FONT = "Helvetica, Arial, sans-serif"
 
 
-def plan_label(plan, short: bool = True) -> str:
-    """A plan in words: short for axis labels, long for hover text."""
-    mode = plan.tp_mode + ("+SP" if plan.sp else "")
-    if plan.tp_mode == "2.5d":
-        mode += f" depth {plan.tp_depth}"
-    if plan.tp_regather:
-        mode += " regather"
-    schedule = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else "")
-    if split_words(plan):
-        schedule += f" ({split_words(plan)})"
-    stack = stack_words(plan)
-    if short:
-        return (f"TP{plan.tp} {mode} | PP{plan.pp} {schedule} | DP{plan.dp} | ZeRO-{plan.zero} | "
-                f"mbs {plan.mbs} | recompute {plan.recompute}" + (f" | {stack}" if stack else ""))
-    return (f"tensor parallel {plan.tp} ({mode}), pipeline {plan.pp} ({schedule}), data parallel {plan.dp}, "
-            f"ZeRO-{plan.zero}, micro-batch {plan.mbs}, global batch {plan.gbs}, recompute {plan.recompute}, "
-            f"rank order {plan.order}" + (f", {stack}" if stack else ""))
-
-
 def case_line(model, system, devices: int, gbs: int | None = None) -> str:
     nodes = devices / system.node.devices_per_node
     where = f"{devices:,} x {system.device.name}"
@@ -93,7 +73,7 @@ def style(fig, height: int = 520):
 
 def finish_plan_bars(fig, heading: str, subtitle: str, plans: int):
     """Layout shared by the charts with one stacked horizontal bar per plan (memory, breakdown)."""
-    # The bar labels spell each plan out (TP8 1d | PP16 1f1b | ...); a longer rotated title would
+    # The bar labels spell each plan out (TP 8 1d, PP 16 1f1b, ...); a longer rotated title would
     # run past a short chart's edge.
     fig.update_yaxes(autorange="reversed", automargin=True, title_text="plan")
     fig.update_layout(title=title(heading, subtitle, 150), barmode="stack",

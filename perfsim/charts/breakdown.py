@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, case_line, finish_plan_bars, plan_label
+from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, case_line, finish_plan_bars
 from perfsim.charts.plans import labels
+from perfsim.spec.plan import plan_summary
 
 
 def figure(model, system, plans: list, note: str = "", samples: int | None = None) -> go.Figure:
@@ -30,7 +31,7 @@ def figure(model, system, plans: list, note: str = "", samples: int | None = Non
         text=[f"  {p.step_time_s:.2f} s" + (f" (P10-P90 {u['step_time_s']['p10']:.2f}-{u['step_time_s']['p90']:.2f} s)"
                                             if spreads else "")
               + f", {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}" for (_, p), u in zip(plans, spreads or plans)],
-        hovertext=[plan_label(p.plan, short=False) for _, p in plans], hoverinfo="text"))
+        hovertext=[plan_summary(p.plan, long=True) for _, p in plans], hoverinfo="text"))
     fig.update_xaxes(title_text="time per training step (s), exposed time by cause",
                      range=[0, (1.9 if spreads else 1.45) * max(ends)])
     subtitle = (f"{case_line(model, system, plans[0][1].devices)}. Each bar is one training step; a segment is the "

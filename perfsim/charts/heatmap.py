@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 
-from perfsim.charts._common import GIB, case_line, plan_label, style, title
+from perfsim.charts._common import GIB, case_line, style, title
 from perfsim.charts.space import sweep
 from perfsim.errors import PerfsimError
 from perfsim.search import TEXT_KNOBS, Batch, ModeCandidates, plan_at
-from perfsim.spec.plan import RECOMPUTE, SCHEDULES, TP_MODES
+from perfsim.spec.plan import RECOMPUTE, SCHEDULES, TP_MODES, plan_summary
 
 KNOB_TITLES = {
     "tp": "tensor-parallel size (tp)", "pp": "pipeline stages (pp)", "dp": "data-parallel size (dp)",
@@ -151,7 +151,7 @@ def _hover(cell: Cell, capacity: float) -> str:
     if cell.best is not None:
         speed, plan, mfu, step, memory = cell.best
         return (f"<b>{speed:,.0f} tokens/s</b>, step {step:.2f} s, MFU {mfu:.1%}<br>memory {memory / GIB:.1f} of "
-                f"{capacity / GIB:.1f} GiB<br>{plan_label(plan)}<br>{cell.fit:,} of {cell.valid:,} valid plans fit")
+                f"{capacity / GIB:.1f} GiB<br>{plan_summary(plan)}<br>{cell.fit:,} of {cell.valid:,} valid plans fit")
     if cell.valid:
         return (f"<b>does not fit</b>: none of the {cell.valid:,} valid plans fits in device memory;<br>the smallest "
                 f"needs {cell.min_memory / GIB:.1f} GiB, the device has {capacity / GIB:.1f} GiB")

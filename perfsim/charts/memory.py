@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import GIB, MEMORY_COLOURS, MEMORY_LABELS, case_line, finish_plan_bars, plan_label
+from perfsim.charts._common import GIB, MEMORY_COLOURS, MEMORY_LABELS, case_line, finish_plan_bars
 from perfsim.charts.plans import labels
+from perfsim.spec.plan import plan_summary
 
 
 def figure(model, system, plans: list, note: str = "") -> go.Figure:
@@ -24,7 +25,7 @@ def figure(model, system, plans: list, note: str = "") -> go.Figure:
         y=names, x=totals, mode="text", showlegend=False, textposition="middle right",
         text=[f"  {t:.1f} GiB" + ("" if p.fits else " - does not fit") for t, (_, p) in zip(totals, plans)],
         textfont={"color": ["#222" if p.fits else "#c0392b" for _, p in plans]},
-        hovertext=[f"{plan_label(p.plan, short=False)}<br>peak on the {p.memory_peak_stage} pipeline stage"
+        hovertext=[f"{plan_summary(p.plan, long=True)}<br>peak on the {p.memory_peak_stage} pipeline stage"
                    for _, p in plans], hoverinfo="text"))
     fig.add_vline(x=capacity / GIB, line={"color": "#c0392b", "dash": "dash", "width": 2},
                   annotation_text=f"device memory {capacity / GIB:.1f} GiB", annotation_position="top")

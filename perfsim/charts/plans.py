@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from perfsim.charts._common import plan_label
 from perfsim.errors import PerfsimError
 from perfsim.predict import predict
-from perfsim.spec.plan import canonical
+from perfsim.spec.plan import canonical, plan_summary
 
 
 def plan_set(model, system, plan=None, devices: int | None = None, gbs: int | None = None, top: int = 5,
@@ -45,4 +44,4 @@ def plan_set(model, system, plan=None, devices: int | None = None, gbs: int | No
 
 
 def labels(plans: list) -> list:
-    return [f"{name}: {plan_label(p.plan)}" for name, p in plans]
+    return [f"{name}: {plan_summary(p.plan)}" for name, p in plans]

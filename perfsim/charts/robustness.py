@@ -15,8 +15,8 @@ import math
 
 import plotly.graph_objects as go
 
-from perfsim.charts._common import GIB, TERM_LABELS, case_line, plan_label, style, title
-from perfsim.spec.plan import canonical
+from perfsim.charts._common import GIB, TERM_LABELS, case_line, style, title
+from perfsim.spec.plan import canonical, plan_summary
 
 
 def drawn_from(system) -> str:
@@ -135,7 +135,7 @@ def figure(model, system, ranked: list, samples: int, show: int = 10, yours=None
     prediction), with P(best) and P(within 5%) beside it; the `show` first of the ranking and
     `yours` (a RobustPlan) wherever it ranks."""
     rows = [(i, rp) for i, rp in enumerate(ranked, 1) if i <= show or rp is yours]
-    names = [("your plan" if rp is yours else f"#{i}") + f": {plan_label(rp.prediction.plan)}" for i, rp in rows]
+    names = [("your plan" if rp is yours else f"#{i}") + f": {plan_summary(rp.prediction.plan)}" for i, rp in rows]
     q = [rp.step_time_s for _, rp in rows]
     fig = go.Figure()
     fig.add_trace(go.Scatter(
@@ -143,7 +143,7 @@ def figure(model, system, ranked: list, samples: int, show: int = 10, yours=None
         marker={"size": 10, "color": "#4c78a8"},
         error_x={"type": "data", "symmetric": False, "array": [v["p90"] - v["p50"] for v in q],
                  "arrayminus": [v["p50"] - v["p10"] for v in q], "color": "#4c78a8", "thickness": 2, "width": 6},
-        hovertext=[f"{plan_label(rp.prediction.plan, short=False)}<br>step time {span(v, seconds)}<br>"
+        hovertext=[f"{plan_summary(rp.prediction.plan, long=True)}<br>step time {span(v, seconds)}<br>"
                    f"P(best) {rp.p_best:.0%}, P(within 5%) {rp.p_within_5pct:.0%}"
                    + (f", fits in {rp.p_fits:.0%} of the draws" if rp.p_fits < 1 else "") for (_, rp), v in zip(rows, q)],
         hoverinfo="text"))

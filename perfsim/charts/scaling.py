@@ -6,10 +6,11 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, plan_label, style, title
+from perfsim.charts._common import TERM_COLOURS, TERM_LABELS, style, title
 from perfsim.errors import PerfsimError
 from perfsim.reproduce import (SMNG_PUBLISHED_EFFICIENCY, SMNG_SCALING_BASE, SMNG_SCALING_NODES, SMNG_STRONG_GBS)
 from perfsim.scaling import scale
+from perfsim.spec.plan import plan_summary
 
 MODE_COLOURS = {"weak": "#4c78a8", "strong": "#f58518"}
 BAND_COLOURS = {"weak": "rgba(76,120,168,0.2)", "strong": "rgba(245,133,24,0.2)"}
@@ -104,7 +105,7 @@ def figure(model, system, base, nodes, modes=("weak", "strong"), strong_gbs: int
                             105])
     fig.update_xaxes(title_text="scaling mode and nodes", row=1, col=2)
     fig.update_yaxes(title_text="efficiency lost (percentage points)", row=1, col=2)
-    notes = [f"{model.name} on {system.name}, starting from {nodes[0]} nodes with {plan_label(base)}.",
+    notes = [f"{model.name} on {system.name}, starting from {nodes[0]} nodes with {plan_summary(base)}.",
              "Weak: data parallelism and the global batch grow with the nodes (micro-batches per pipeline kept); "
              "strong: the global batch stays fixed" + (f" at {points['strong'][0].prediction.plan.gbs:,}" if "strong"
                                                        in points else "") + "."]

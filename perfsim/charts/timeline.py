@@ -4,7 +4,8 @@ perfsim.schedule.simulator; the chart itself is perfsim.schedule.timeline.timeli
 
 from __future__ import annotations
 
-from perfsim.charts._common import TERM_LABELS, case_line, plan_label, style, title
+from perfsim.charts._common import TERM_LABELS, case_line, style, title
+from perfsim.spec.plan import plan_summary
 
 
 def figure(model, system, plan, dtype: str = "bf16", schedule: str | None = None, max_bars: int | None = None):
@@ -14,7 +15,7 @@ def figure(model, system, plan, dtype: str = "bf16", schedule: str | None = None
     sim = simulate(model, system, plan, dtype, schedule)
     fig, note = timeline_figure(sim.result, max_bars=max_bars or CHART_BARS)
     r = sim.result
-    subtitle = (f"{case_line(model, system, plan.devices, plan.gbs)}; {plan_label(plan)}. Simulated step "
+    subtitle = (f"{case_line(model, system, plan.devices, plan.gbs)}; {plan_summary(plan)}. Simulated step "
                 f"{r.step_time_s:.2f} s ({r.schedule}, {r.m} micro-batches per pipeline) against "
                 f"{sim.analytic.step_time_s:.2f} s from the closed form. Rows: per pipeline stage, its compute "
                 "stream, tensor-parallel collectives, pipeline sends and data-parallel traffic; drag to zoom, "

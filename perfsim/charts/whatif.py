@@ -18,9 +18,10 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from perfsim.charts._common import GIB, TERM_COLOURS, TERM_LABELS, case_line, plan_label, style, title
+from perfsim.charts._common import GIB, TERM_COLOURS, TERM_LABELS, case_line, style, title
 from perfsim.charts.space import best_index, evaluate_pool, fastest_fitting, pick, plan_pool
 from perfsim.errors import PerfsimError
+from perfsim.spec.plan import plan_summary
 from perfsim.spec.system import System
 
 MULTIPLIERS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
@@ -209,7 +210,7 @@ def _text(knob: str, m: float, b, one, capacity: float, sure: str = "") -> str:
     if b is None:
         return f"<b>{setting}</b><br>no kept plan fits in device memory"
     change = b.tokens_per_s / one.tokens_per_s - 1
-    return (f"<b>{setting}</b><br>best plan: {plan_label(b.plan)}<br>"
+    return (f"<b>{setting}</b><br>best plan: {plan_summary(b.plan)}<br>"
             f"<b>{b.tokens_per_s:,.0f} tokens/s</b> ({change:+.1%} against 1x), step {b.step_time_s:.2f} s, "
             f"MFU {b.mfu:.1%}, memory {b.memory_bytes / GIB:.1f} of {capacity / GIB:.1f} GiB"
             + (f"<br>{sure}" if sure and m == 1.0 else ""))
@@ -254,7 +255,7 @@ def figure(model, system, devices: int, gbs: int, fixes: dict | None = None, dty
                                         "where the step time goes (exposed seconds)"))
     for knob in knobs:
         ys = [b.tokens_per_s if b else None for b in w.best[knob]]
-        hover = [f"{KNOBS[knob]} x{m:g}<br>" + (f"{b.tokens_per_s:,.0f} tokens/s<br>{plan_label(b.plan)}" if b
+        hover = [f"{KNOBS[knob]} x{m:g}<br>" + (f"{b.tokens_per_s:,.0f} tokens/s<br>{plan_summary(b.plan)}" if b
                                                 else "no kept plan fits") for m, b in zip(mults, w.best[knob])]
         fig.add_trace(go.Scatter(x=mults, y=ys, mode="lines+markers", name=KNOBS[knob], legendgroup="knobs",
                                  legendgrouptitle_text="multiplier moved", line={"color": KNOB_COLOURS[knob]},

@@ -131,7 +131,7 @@ class Case:
     def _best_plan(self):
         """The search's best plan with the given plan flags as fixes (those that are no search
         knob, like --tp-axes, set on the plan found); `chosen` says so."""
-        from perfsim.charts._common import plan_label
+        from perfsim.spec.plan import plan_summary
         from perfsim.search import BOOL_KNOBS, INT_KNOBS, TEXT_KNOBS, parse_fixes, search
         from perfsim.spec.plan import TP_AXES
 
@@ -149,7 +149,7 @@ class Case:
         self.chosen = (f"{'no plan flags given' if not flags else 'plan flags left out'}: using the best plan "
                        f"perfsim search finds{f' with {flags}' if flags else ''}")
         if self._announce:
-            self._announce(f"{self.chosen}: {plan_label(plan)}")
+            self._announce(f"{self.chosen}: {plan_summary(plan)}")
         return plan
 
     def node_counts(self, args) -> list:

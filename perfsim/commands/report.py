@@ -128,10 +128,11 @@ def run(args) -> None:
     check_out(args.out)
     case = Case(args, announce=stderr_progress, uncertainty_default=True)
     p = predict(case.model, case.system, case.plan, case.dtype)  # an invalid plan stops here, with its reasons
-    from perfsim.charts._common import GIB, case_line, plan_label
+    from perfsim.charts._common import GIB, case_line
+    from perfsim.spec.plan import plan_summary
 
     lead = (f"{case_line(case.model, case.system, case.devices, case.gbs)}; plan"
-            + (f" ({case.chosen})" if case.chosen else "") + f": {plan_label(case.plan, short=False)}. "
+            + (f" ({case.chosen})" if case.chosen else "") + f": {plan_summary(case.plan, long=True)}. "
             f"Predicted: {p.step_time_s:.2f} s per step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, peak memory "
             f"{p.memory_bytes['total'] / GIB:.1f} of {p.device_memory_bytes / GIB:.1f} GiB per device"
             + ("" if p.fits else " (does not fit)") + ". Every chart is interactive: hover for details, drag to zoom, "

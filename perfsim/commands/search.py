@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from perfsim.errors import PerfsimError
-from perfsim.report import plan_summary
+from perfsim.spec.plan import plan_summary
 
 
 def register(sub) -> None:
@@ -106,10 +106,11 @@ def _table(result, model, system, devices, args) -> str:
              "", f"{'#':>3} {'tokens/s':>12} {'step':>9} {'MFU':>6} {'memory':>9}  plan"]
     for i, p in enumerate(result.plans, 1):
         lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s:>8.2f}s {p.mfu:>6.1%} "
-                     f"{p.memory_bytes['total'] / 2**30:>6.1f} GiB  {plan_summary(p)}")
+                     f"{p.memory_bytes['total'] / 2**30:>6.1f} GiB  {plan_summary(p.plan, dtype=p.dtype)}")
     lines += ["", "Pareto front (no plan is both faster and smaller):"]
     for p in result.pareto:
-        lines.append(f"    {p.tokens_per_s:>12,.0f} tokens/s at {p.memory_bytes['total'] / 2**30:6.1f} GiB  {plan_summary(p)}")
+        lines.append(f"    {p.tokens_per_s:>12,.0f} tokens/s at {p.memory_bytes['total'] / 2**30:6.1f} GiB  "
+                     f"{plan_summary(p.plan, dtype=p.dtype)}")
     return "\n".join(lines)
 
 

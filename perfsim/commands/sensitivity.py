@@ -68,7 +68,7 @@ MAX_PLAN_CHOICE_SAMPLES = 4096
 
 
 def _run_plan_choice(args, model, system, plan) -> None:
-    from perfsim.report import plan_summary
+    from perfsim.spec.plan import plan_summary
     from perfsim.errors import PerfsimError
     from perfsim.uncertainty.plan_choice import DEFAULT_SAMPLES, plan_choice
 
@@ -93,7 +93,7 @@ def _run_plan_choice(args, model, system, plan) -> None:
              + (" and the given plan" if searched < len(candidates) else "") + f", over {choice.samples} prior draws",
              "", f"{'#':>3} {'P(best)':>8} {'regret':>7}  plan (regret: mean step time over each draw's best, less 1)"]
     for i, p in enumerate(candidates):
-        lines.append(f"{i + 1:>3} {choice.p_best[i]:>8.0%} {choice.mean_regret[i]:>7.1%}  {plan_summary(p)}"
+        lines.append(f"{i + 1:>3} {choice.p_best[i]:>8.0%} {choice.mean_regret[i]:>7.1%}  {plan_summary(p.plan, dtype=p.dtype)}"
                      + ("  <- the given plan" if i == given else ""))
     best = choice.chosen + 1
     lines += ["", f"Choosing now, plan {best} (smallest mean regret) runs {choice.loss:.1%} slower on average than each "

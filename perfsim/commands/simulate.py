@@ -73,18 +73,13 @@ def _t(seconds: float) -> str:
 
 
 def format_simulation(sim, notes: dict | None = None) -> str:
-    from perfsim.spec.plan import split_words, stack_words
+    from perfsim.spec.plan import plan_summary
 
     r, p, a = sim.result, sim.prediction, sim.analytic
-    plan = p.plan
-    chunks = f", {r.v} chunks" if r.v > 1 else ""
-    split = f", {split_words(plan)}" if split_words(plan) else ""
     diff = r.step_time_s / a.step_time_s - 1 if a.step_time_s else 0.0
     lines = [
         f"{p.model.name} on {p.devices} x {p.system.device.name} ({p.system.name}), {p.dtype}",
-        f"plan: TP {plan.tp} ({plan.tp_mode}) x PP {plan.pp} ({r.schedule}{chunks}{split}) x DP {plan.dp}, ZeRO-{plan.zero}, "
-        f"micro-batch {plan.mbs}, {r.m} micro-batches per pipeline, recompute {plan.recompute}"
-        + (f", {stack_words(plan)}" if stack_words(plan) else ""),
+        f"plan: {plan_summary(p.plan.replace(schedule=r.schedule), long=True)}",  # zb-h1 runs a 1f1b plan
         "",
         f"step time       {_t(r.step_time_s)}  (closed form {_t(a.step_time_s).strip()}, {diff:+.1%})",
         f"throughput      {p.tokens_per_s:12,.0f} tokens/s   {p.model_tflops_per_device:.1f} TFLOP/s model per device "

@@ -337,6 +337,27 @@ def split_words(plan: Plan) -> str:
     return ", ".join(words)
 
 
+def plan_summary(plan: Plan, long: bool = False, dtype: str = "bf16") -> str:
+    """A plan in words, one wording for every command and chart. Short, for tables and chart labels:
+    "TP 8 1d+SP, PP 8 interleaved x2, DP 2, ZeRO-1, mbs 1, recompute full, tp-dp-pp"; long (predict's
+    report, chart hover text) adds the global batch and micro-batch count: "TP 8 (1d+SP) x PP 8
+    (interleaved x2) x DP 2, ZeRO-1, micro-batch 1, global batch 64 (32 micro-batches per pipeline),
+    recompute full, order tp-dp-pp". Both end with stack_words and a dtype other than bf16."""
+    mode = plan.tp_mode + ("+SP" if plan.sp else "") + (f" depth {plan.tp_depth}" if plan.tp_mode == "2.5d" else "") \
+        + (" regather" if plan.tp_regather else "")
+    schedule, split = plan.schedule + (f" x{plan.vpp}" if plan.vpp > 1 else ""), split_words(plan)
+    if long:
+        pipeline = ", ".join(filter(None, (schedule, split)))
+        words = (f"TP {plan.tp} ({mode}) x PP {plan.pp} ({pipeline}) x DP {plan.dp}, ZeRO-{plan.zero}, micro-batch {plan.mbs}, "
+                 f"global batch {plan.gbs} ({plan.microbatches} micro-batches per pipeline), recompute {plan.recompute}, "
+                 f"order {plan.order}")
+    else:
+        words = (f"TP {plan.tp} {mode}, PP {plan.pp} {schedule}" + (f" ({split})" if split else "")
+                 + f", DP {plan.dp}, ZeRO-{plan.zero}, mbs {plan.mbs}, recompute {plan.recompute}, {plan.order}")
+    extras = [w for w in (stack_words(plan), dtype if dtype != "bf16" else "") if w]
+    return ", ".join([words] + extras)
+
+
 def uneven(plan: Plan) -> bool:
     """Whether the plan gives its first or last stage a layer count of its own, or a layout."""
     return bool(plan.first_stage_layers or plan.last_stage_layers or plan.pp_layout)

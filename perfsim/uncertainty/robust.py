@@ -87,7 +87,7 @@ def print_robust(found, model, system, devices: int, args) -> None:
     import json
     import sys
 
-    from perfsim.report import plan_summary
+    from perfsim.spec.plan import plan_summary
 
     if found.note:
         print(f"perfsim: note: {found.note}", file=sys.stderr)
@@ -111,7 +111,7 @@ def print_robust(found, model, system, devices: int, args) -> None:
     for i, rp in enumerate(ranked[:args.top], 1):
         q = rp.step_time_s
         lines.append(f"{i:>3} {q['p10']:>8.2f} .. {q['p50']:>6.2f} .. {q['p90']:>6.2f}s {rp.prediction.step_time_s:>7.2f}s "
-                     f"{rp.p_best:>8.0%} {rp.p_within_5pct:>8.0%}  {plan_summary(rp.prediction)}"
+                     f"{rp.p_best:>8.0%} {rp.p_within_5pct:>8.0%}  {plan_summary(rp.prediction.plan, dtype=rp.prediction.dtype)}"
                      + (f" (fits in {rp.p_fits:.0%} of the draws)" if rp.p_fits < 1 else ""))
     lines += ["", verdict(ranked)]
     print("\n".join(lines))
