@@ -140,7 +140,7 @@ def test_backward_kernels_and_the_loss_run_and_count_perfsims_bytes(op):
     from validate.device import Device
 
     rows, cols = 8, 256
-    point = mb.Point("memory", op, "bf16", mb._shape(rows=rows, cols=cols))
+    point = mb.Point("memory", op, "bf16", mb.point_shape(rows=rows, cols=cols))
     out = mb.make_compute(torch, Device("cpu"), point)()
     first = out[0] if isinstance(out, tuple) else out
     if op == "cross_entropy":  # the mean loss over the rows, in fp32
@@ -230,7 +230,7 @@ def test_the_flash_kernels_time_the_causal_fused_attention_a_flash_step_runs():
     backward alone (the gradients of Q, K and V), equal to autograd's through the same kernel."""
     from validate.device import Device
 
-    shape = mb._shape(batch=1, heads=2, seq=16, head_dim=8)
+    shape = mb.point_shape(batch=1, heads=2, seq=16, head_dim=8)
     forward = mb.make_compute(torch, Device("cpu"), mb.Point("attention", "flash", "fp32", shape))()
     assert forward.shape == (1, 2, 16, 8)
     grads = mb.make_compute(torch, Device("cpu"), mb.Point("attention", "flash_backward", "fp32", shape))()

@@ -238,7 +238,7 @@ def test_concurrent_rounds_go_on_until_their_mean_is_precise():
         def wait(self):
             clock.now += 4e-3 if rng.random() < 0.4 else 3e-4
     comm.make = lambda point, async_op=False: (lambda: [Work()])
-    point = mb.Point("collective", "all_reduce", "fp32", mb._shape(nbytes=1 << 16), group=(2, 1), timing="concurrent")
+    point = mb.Point("collective", "all_reduce", "fp32", mb.point_shape(nbytes=1 << 16), group=(2, 1), timing="concurrent")
     once = comm.time_concurrent(point, 5, 1)
     assert {k: len(v) for k, v in once.items()} == {"burst": 5, "alone": 5, "both": 5}
     precise = comm.time_concurrent(point, 5, 1, more=lambda both: mb.relative_standard_error(both) > 0.05)
@@ -265,7 +265,7 @@ def test_sizes_timed_in_turn_share_the_machine_s_modes():
     def burst():
         clock.now += 3e-3
 
-    points = [mb.Point("collective", "all_gather", "fp32", mb._shape(nbytes=1 << k), group=(2, 1),
+    points = [mb.Point("collective", "all_gather", "fp32", mb.point_shape(nbytes=1 << k), group=(2, 1),
                        timing="interleaved") for k in range(10, 20)]
     one_by_one = [statistics.fmean(mb.repetitions(FakeDevice(clock), call, 2, 5, 2e-3, before=burst, max_number=1,
                                                   max_repeats_factor=1,

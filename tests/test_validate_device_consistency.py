@@ -120,15 +120,15 @@ def test_calibration_compute_points_and_speed_probes_keep_one_device():
     from perfsim.cost.layer import Gemm
     from validate.device import Device
     from validate.microbench import (ATTENTION_OPS, BACKWARD_OPS, CROSS_ENTROPY_OPS, GEMM_TIMING, MEMORY_OPS, Point,
-                                     _shape, make_compute)
+                                     make_compute, point_shape)
     from validate.speed_probe import make_norm_probe, make_probe, make_reference_probes
 
     dev = Device("cpu")
-    points = [Point("gemm", "matmul", dt, _shape(count=count, m=128, n=128, k=128), timing=timing)
+    points = [Point("gemm", "matmul", dt, point_shape(count=count, m=128, n=128, k=128), timing=timing)
               for dt in ("fp32", "bf16") for count in (1, 2) for timing in ("", GEMM_TIMING)]
-    points += [Point("memory", op, dt, _shape(rows=16, cols=64))
+    points += [Point("memory", op, dt, point_shape(rows=16, cols=64))
                for dt in ("fp32", "bf16") for op in MEMORY_OPS + BACKWARD_OPS + CROSS_ENTROPY_OPS]
-    points += [Point("attention", op, dt, _shape(batch=1, heads=2, seq=32, head_dim=16))
+    points += [Point("attention", op, dt, point_shape(batch=1, heads=2, seq=32, head_dim=16))
                for dt in ("fp32", "bf16") for op in ATTENTION_OPS]
     with DeviceConsistency():
         for point in points:

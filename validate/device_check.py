@@ -114,11 +114,11 @@ def _collectives(device, dtype) -> None:
     import torch.distributed as dist
 
     from validate.device import Device
-    from validate.microbench import COLLECTIVES, CONCURRENT_OPS, EXPERT_COLLECTIVES, Communicator, Point, _shape
+    from validate.microbench import COLLECTIVES, CONCURRENT_OPS, EXPERT_COLLECTIVES, Communicator, Point, point_shape
 
     comm = Communicator(torch, Device(device.type), dist.get_rank(), dist.get_world_size(), [(2, 1)])
     for op in COLLECTIVES + EXPERT_COLLECTIVES:
-        point = Point("collective", op, "bf16", _shape(nbytes=4096), group=(2, 1))
+        point = Point("collective", op, "bf16", point_shape(nbytes=4096), group=(2, 1))
         comm.make(point)()
         if op in CONCURRENT_OPS:
             comm.time_concurrent(point, rounds=1, warmup=1)

@@ -250,7 +250,7 @@ class LocalFlopCounter(TorchDispatchMode):
         return ops
 
 
-def _storage_of(t):
+def storage_of(t):
     """The storage that holds a saved tensor's memory: a DTensor's local shard, a wrapper
     subclass's inner tensor (functional collectives' results), else the tensor's own."""
     while True:
@@ -277,7 +277,7 @@ class SavedBytes:
     own size, since perfsim does not count them."""
 
     def __init__(self, parameters, element_bytes: int | None = None):
-        self.skip = {_storage_of(p)[1].data_ptr() for p in parameters}
+        self.skip = {storage_of(p)[1].data_ptr() for p in parameters}
         self.element_bytes = element_bytes
         self.live = self.peak = self.live_other = self.peak_other = 0
         self.in_loss = False
@@ -309,7 +309,7 @@ class SavedBytes:
         base = t._base if t._base is not None else t
         if t.device.type == "meta" or (base.is_leaf and base.requires_grad):  # a parameter (FSDP's unsharded too)
             return t
-        local, storage = _storage_of(t)
+        local, storage = storage_of(t)
         key = storage.data_ptr()
         if key in self.skip:
             return t

@@ -193,7 +193,8 @@ def tp_overhead_seqs(device_kind: str, seq: int, tp: int) -> tuple:
     return tuple(sorted({max(tp, min(seq, s) // tp * tp) for s in TP_OVERHEAD_CPU_SEQS}))
 
 
-def _shape(**dims) -> tuple:
+def point_shape(**dims) -> tuple:
+    """A Point's shape from its sizes: sorted (name, value) pairs, hashable."""
     return tuple(sorted((k, int(v)) for k, v in dims.items()))
 
 
@@ -393,31 +394,31 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
                 forward = Gemm(name, count, m, n, k)
                 for g in (forward, *backward_gemms(forward)):  # the shapes perfsim prices backward at
                     add(Point("gemm", "matmul" if count == 1 else "bmm", dtype,
-                              _shape(count=count, m=g.m, n=g.n, k=g.k), origin="plan", timing=GEMM_TIMING))
+                              point_shape(count=count, m=g.m, n=g.n, k=g.k), origin="plan", timing=GEMM_TIMING))
             for m, n, k in itertools.product(sweep.gemm_dims, repeat=3):
                 if 2.0 * m * n * k <= sweep.max_gemm_flops:
-                    add(Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING))
+                    add(Point("gemm", "matmul", dtype, point_shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING))
     if "memory" in suites:
         kernel_dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for dtype in dtypes:
             for _, op, elements, cols in plan_memory_ops(model, plan):
                 if elements <= 4 * sweep.memory_elements[-1]:
-                    shape = _shape(rows=elements // cols, cols=cols)
+                    shape = point_shape(rows=elements // cols, cols=cols)
                     add(Point("memory", op, dtype, shape, origin="plan"))
                     if dtype == kernel_dtype and op + BACKWARD in BACKWARD_OPS:
                         add(Point("memory", op + BACKWARD, dtype, shape, origin="plan"))
             for op in MEMORY_OPS:
                 for elements in sweep.memory_elements:
                     cols = min(1024, elements)
-                    add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols)))
+                    add(Point("memory", op, dtype, point_shape(rows=elements // cols, cols=cols)))
             if dtype == kernel_dtype:
                 for op in BACKWARD_OPS:
                     for elements in sweep.backward_elements:
                         cols = min(1024, elements)
-                        add(Point("memory", op, dtype, _shape(rows=elements // cols, cols=cols)))
+                        add(Point("memory", op, dtype, point_shape(rows=elements // cols, cols=cols)))
                 for op in CROSS_ENTROPY_OPS:
                     for rows, cols in sweep.cross_entropy_shapes:
-                        add(Point("memory", op, dtype, _shape(rows=rows, cols=cols)))
+                        add(Point("memory", op, dtype, point_shape(rows=rows, cols=cols)))
         if kind != "cpu" and "bf16" in dtypes and "fp32" not in dtypes:
             # a GPU's bf16 step runs its norms and softmax under torch.autocast, in fp32
             # (validate.gpt.autocast_for, docs/equations.md 3.5): those kernels, forward and
@@ -426,12 +427,12 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             for name, op, elements, cols in plan_memory_ops(model, plan):
                 if op in AUTOCAST_FP32_OPS and elements <= 4 * sweep.memory_elements[-1]:
                     for kernel in (op, op + BACKWARD):
-                        add(Point("memory", kernel, "fp32", _shape(rows=elements // cols, cols=cols), origin="plan"))
+                        add(Point("memory", kernel, "fp32", point_shape(rows=elements // cols, cols=cols), origin="plan"))
             for op in AUTOCAST_FP32_OPS:
                 for elements in sweep.backward_elements:
                     cols = min(1024, elements)
                     for kernel in (op, op + BACKWARD):
-                        add(Point("memory", kernel, "fp32", _shape(rows=elements // cols, cols=cols)))
+                        add(Point("memory", kernel, "fp32", point_shape(rows=elements // cols, cols=cols)))
     if "attention" in suites:
         for dtype in dtypes:
             shapes = []
@@ -441,7 +442,7 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             shapes += [((bh, s, 64), "sweep") for bh, s in sweep.attention_shapes]
             for (bh, s, d), origin in shapes:
                 for op in ATTENTION_OPS:
-                    add(Point("attention", op, dtype, _shape(batch=1, heads=bh, seq=s, head_dim=d), origin=origin))
+                    add(Point("attention", op, dtype, point_shape(batch=1, heads=bh, seq=s, head_dim=d), origin=origin))
     if "collective" in suites and world > 1:
         # A training step sends bf16 (the dtype perfsim prices traffic in); gloo reduces bf16 in
         # scalar code, ~2x slower per byte than fp32, so the CPU measures both and the fit uses bf16.
@@ -449,7 +450,7 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             for size, stride in group_shapes(model, plan, world, ranks_per_node):
                 for op in COLLECTIVES:
                     for nbytes in sweep.collective_bytes:
-                        add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                        add(Point("collective", op, dtype, point_shape(nbytes=nbytes), group=(size, stride),
                                   timing=COLLECTIVE_TIMING))
         for size, stride in plan_expert_groups(model, plan):
             if size > world or world % (size * stride):
@@ -458,22 +459,22 @@ def build_points(kind: str, dtypes: tuple, model: ModelSpec, plan: Plan, world: 
             own = plan_all_to_all_bytes(model, plan)
             for op in EXPERT_COLLECTIVES:
                 if own is not None and own <= 4 * max(sweep.collective_bytes):
-                    add(Point("collective", op, dtype, _shape(nbytes=own), group=(size, stride), origin="plan",
+                    add(Point("collective", op, dtype, point_shape(nbytes=own), group=(size, stride), origin="plan",
                               timing=COLLECTIVE_TIMING))
                 for nbytes in sweep.collective_bytes:
-                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                    add(Point("collective", op, dtype, point_shape(nbytes=nbytes), group=(size, stride),
                               timing=COLLECTIVE_TIMING))
         dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for size, stride in group_shapes(model, plan, world, ranks_per_node):
             for op in CONCURRENT_OPS:
                 for nbytes in (n for n in CONCURRENT_BYTES if n <= max(sweep.collective_bytes)):
-                    add(Point("collective", op, dtype, _shape(nbytes=nbytes), group=(size, stride),
+                    add(Point("collective", op, dtype, point_shape(nbytes=nbytes), group=(size, stride),
                               timing=CONCURRENT_TIMING))
     if "tp_overhead" in suites and plan.tp > 1 and plan.tp_mode == "1d":
         dtype = KERNEL_DTYPE if KERNEL_DTYPE in dtypes else dtypes[0]
         for layout in TP_OVERHEAD_LAYOUTS:
             for seq in tp_overhead_seqs(kind, model.seq, plan.tp):
-                add(Point("tp_overhead", layout, dtype, _shape(mbs=plan.mbs, seq=seq, hidden=model.hidden,
+                add(Point("tp_overhead", layout, dtype, point_shape(mbs=plan.mbs, seq=seq, hidden=model.hidden,
                                                                heads=model.heads),
                           group=(plan.tp, int(columns_of(plan).strides["tp"])), origin="plan"))
     return points
@@ -700,8 +701,8 @@ class References:
         dtype = BURST_DTYPE[kind]
         m, n, k = BURST_GEMM[kind]
         rows, cols = REFERENCE_NORM[kind]
-        gemm = Point("gemm", "matmul", dtype, _shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING)
-        norm = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
+        gemm = Point("gemm", "matmul", dtype, point_shape(count=1, m=m, n=n, k=k), timing=GEMM_TIMING)
+        norm = Point("memory", "layernorm", dtype, point_shape(rows=rows, cols=cols))
         self.device, self.timer = device, device.timer()
         self.calls = {"gemm": (make_compute(torch, device, gemm), 1),
                       "memory": (make_compute(torch, device, norm), REFERENCE_NORM_LOOPS)}

@@ -60,10 +60,10 @@ def expected_norm_probe_s(system, dtype: str, norm: tuple) -> float:
     records a layernorm point, validate.microbench.compute_counts)."""
     from perfsim.cost.layer import measured_memory_op, memory_time
     from perfsim.spec.system import for_dtype
-    from validate.microbench import Point, _shape, compute_counts
+    from validate.microbench import Point, compute_counts, point_shape
 
     rows, cols = norm
-    point = Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols))
+    point = Point("memory", "layernorm", dtype, point_shape(rows=rows, cols=cols))
     op, backward = measured_memory_op("layernorm", compute_counts(point)["nbytes"])
     return float(memory_time(for_dtype(system, dtype).device, op, backward))
 
@@ -140,9 +140,9 @@ def retake_seconds(budget_s: float | None, elapsed_s: float, plans_left: int, ov
 
 def make_probe(torch, device, gemm, dtype: str):
     """On a rank: a no-argument function that times the probe and returns its median seconds."""
-    from validate.microbench import GEMM_TIMING, Point, _shape, make_compute
+    from validate.microbench import GEMM_TIMING, Point, make_compute, point_shape
 
-    point = Point("gemm", "matmul", dtype, _shape(count=1, m=gemm.m, n=gemm.n, k=gemm.k), timing=GEMM_TIMING)
+    point = Point("gemm", "matmul", dtype, point_shape(count=1, m=gemm.m, n=gemm.n, k=gemm.k), timing=GEMM_TIMING)
     call = make_compute(torch, device, point)
     timer = device.timer()
     call()  # first touch of the rotated operands outside the timing
@@ -163,10 +163,10 @@ def make_norm_probe(torch, device, norm: tuple, dtype: str, expected_s: float | 
     expects it to take; 10 calls without an expected time)."""
     import math
 
-    from validate.microbench import Point, _shape, make_compute
+    from validate.microbench import Point, make_compute, point_shape
 
     rows, cols = norm
-    call = make_compute(torch, device, Point("memory", "layernorm", dtype, _shape(rows=rows, cols=cols)))
+    call = make_compute(torch, device, Point("memory", "layernorm", dtype, point_shape(rows=rows, cols=cols)))
     loops = 10 if expected_s is None else max(1, min(1000, math.ceil(NORM_SAMPLE_S / expected_s)))
     timer = device.timer()
     call()

@@ -221,9 +221,9 @@ class SavedTensorCounter:
     @staticmethod
     def _local(t):
         """A DTensor's shard on this rank, a functional collective's result (a wrapper) its tensor."""
-        from validate.instrument import _storage_of
+        from validate.instrument import storage_of
 
-        return _storage_of(t)[0]
+        return storage_of(t)[0]
 
     def _key(self, t):
         st = self._local(t).untyped_storage()
