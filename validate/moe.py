@@ -62,7 +62,7 @@ def _all_to_all(x, group, output_splits, input_splits):
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """all_to_all_single with per-rank split sizes (rows of dimension 0); backward sends each
     gradient row back to the rank its row came from: the reverse all-to-all."""
 
@@ -79,7 +79,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x, group, output_splits, input_splits):
     """Rows input_splits[r] of `x` to rank r of `group`, rows output_splits[r] from it (autograd)."""
-    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))
+    return AllToAll.apply(x, group, list(output_splits), list(input_splits))
 
 
 def _all_gather(x, group):

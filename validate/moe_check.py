@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     if args.broken_backward:
         from validate import moe
 
-        moe._AllToAll.backward = staticmethod(lambda ctx, grad: (grad, None, None, None))
+        moe.AllToAll.backward = staticmethod(lambda ctx, grad: (grad, None, None, None))
 
     import torch
     import torch.distributed as dist
