@@ -119,7 +119,7 @@ def parse_fixes(items: list[str]) -> dict:
     return fixes
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     """The divisors of n, ascending, in O(sqrt n) steps (a device count may be a large prime)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
@@ -132,7 +132,7 @@ def allowed_values(fixes: dict, knob: str, values):
 def _tp_configs(devices: int, fixes: dict) -> list[tuple]:
     """(mode, tp, depth, sp, regather) for every tensor-parallel layout with tp dividing devices."""
     configs = []
-    for tp in allowed_values(fixes, "tp", _divisors(devices)):
+    for tp in allowed_values(fixes, "tp", divisors(devices)):
         if tp == 1:  # every mode is the same plan on one device: keep it once, as 1d
             configs.append(("1d", 1, 1, False, False))
             continue
@@ -161,10 +161,10 @@ def _context_sizes(model: ModelSpec, mode: str, devices_left: int, fixes: dict) 
     into 2 cp equal chunks, for sequences of CONTEXT_PARALLEL_FROM tokens or more; --fix cp=...
     tries its values at any length (those the sequence does not allow are rejected with a reason)."""
     if "cp" in fixes:
-        return [cp for cp in _divisors(devices_left) if cp in fixes["cp"] and (cp == 1 or mode == "1d")]
+        return [cp for cp in divisors(devices_left) if cp in fixes["cp"] and (cp == 1 or mode == "1d")]
     if mode != "1d" or model.seq < CONTEXT_PARALLEL_FROM:
         return [1]
-    return [cp for cp in _divisors(devices_left) if model.seq % (2 * cp) == 0 or cp == 1]
+    return [cp for cp in divisors(devices_left) if model.seq % (2 * cp) == 0 or cp == 1]
 
 
 def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
@@ -176,7 +176,7 @@ def _schedules(model: ModelSpec, pp: int, fixes: dict) -> list[tuple]:
     if pp > 1:
         whole = [model.layers // pp] if model.layers % pp == 0 else []
         chunks = {v for n in whole + [middle for _, _, middle in _auto_splits(model.layers, pp)]
-                  for v in _divisors(n) if v > 1}
+                  for v in divisors(n) if v > 1}
         out += [(SCHEDULES.index("interleaved"), v) for v in sorted(chunks)]
     allowed = [(s, v) for s, v in out if ("schedule" not in fixes or SCHEDULES[s] in fixes["schedule"])
                and ("vpp" not in fixes or v in fixes["vpp"])]
@@ -246,7 +246,7 @@ def _expert_layouts(model: ModelSpec, tp: int, cp: int, dp: int, fixes: dict) ->
     out = []
     ranks = tp * cp * dp
     for etp in allowed_values(fixes, "etp", sorted({1, tp})):
-        for ep in allowed_values(fixes, "ep", _divisors(ranks // etp) if ranks % etp == 0 else []):
+        for ep in allowed_values(fixes, "ep", divisors(ranks // etp) if ranks % etp == 0 else []):
             if model.experts % ep or model.expert_ffn % etp:
                 continue
             for dispatcher in allowed_values(fixes, "moe_dispatcher", MOE_DISPATCHERS):
@@ -266,14 +266,14 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
     recomputes = [RECOMPUTE.index(r) for r in allowed_values(fixes, "recompute", RECOMPUTE)]
     kernels = [ATTENTION.index(a) for a in allowed_values(fixes, "attention", ATTENTION)]
     overlap = {knob: int(True in fixes.get(knob, {True})) for knob in ("dp_overlap", "tp_overlap")}
-    mbs_all = allowed_values(fixes, "mbs", _divisors(gbs))
+    mbs_all = allowed_values(fixes, "mbs", divisors(gbs))
     by_mode: dict = {}
     count = 0
     for mode, tp, depth, sp, regather in _tp_configs(devices, fixes):
         if ((model.moe or model.mla) and mode != "1d") or (model.moe and tp > 1 and not sp):
             continue
         for cp, pp in ((cp, pp) for cp in _context_sizes(model, mode, devices // tp, fixes)
-                       for pp in allowed_values(fixes, "pp", _divisors(devices // (tp * cp)))):
+                       for pp in allowed_values(fixes, "pp", divisors(devices // (tp * cp)))):
             dp = devices // (tp * cp * pp)
             if "dp" in fixes and dp not in fixes["dp"]:
                 continue

@@ -16,6 +16,7 @@ from perfsim.cost.layer import (Gemm, MemoryOp, gemm_time, head_memory_ops, laye
                                 memory_time)
 from perfsim.cost.topology import TopologyCommModel
 from perfsim.errors import PerfsimError
+from perfsim.ledger import calibration_problem
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
 from perfsim.spec.system import load_system
@@ -420,11 +421,11 @@ def test_model_free_check_is_exact_on_a_power_law_and_sees_scatter():
     rows = [{"op": "all_reduce", "dtype": "fp32", "group": [2, 1], "nbytes": 1 << e, "_t": 1e-6 * (1 << e) ** 0.7}
             for e in range(10, 28)]
     fit, held = rows[::2], rows[1::2]
-    q = cal.collectives._neighbour_check(fit, held[:-1])  # the last held point lies beyond the fitted ones: an edge
+    q = cal.collectives.neighbour_check(fit, held[:-1])  # the last held point lies beyond the fitted ones: an edge
     assert q.held_mape == pytest.approx(0.0, abs=1e-12) and q.held_points == len(held) - 1
     assert q.fit_mape > 0  # the fitted points' own check leaves each out: the two ends are edges
     bumpy = [{**r, "_t": r["_t"] * (1.3 if i % 2 else 1.0)} for i, r in enumerate(rows)]
-    assert cal.collectives._neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)
+    assert cal.collectives.neighbour_check(bumpy[::2], bumpy[1::2][:-1]).held_mape == pytest.approx(0.3 / 1.3, rel=1e-9)
 
 
 def test_fit_command_takes_a_name_and_description(run_cli, tmp_path):
@@ -568,14 +569,14 @@ def test_tp_overhead_points_give_the_median_of_every_rounds_difference():
     on a small overhead) reads as 0; a record without its rounds is refused."""
     records = [_overhead_record("1d", 64, [0.004, 0.006, 0.020]), _overhead_record("1d", 128, [0.008, -0.01]),
                _overhead_record("1d_sp", 64, [-0.003, -0.001, 0.002])]
-    assert all(cal._record_problem(r) is None for r in records)
+    assert all(calibration_problem(r) is None for r in records)
     values, notes = cal.overheads.fit_tp_overhead(records, "l.jsonl")
     assert values["framework.tp_layer_overhead_s"].value == pytest.approx(0.006)  # median of 5 rounds
     assert values["framework.sp_layer_overhead_s"].value == 0.0
     assert "64 / 128 tokens" in values["framework.tp_layer_overhead_s"].source and len(notes) == 2
     assert cal.overheads.fit_tp_overhead([r for r in records if r["op"] == "1d"], "l")[0].keys() == {"framework.tp_layer_overhead_s"}
     broken = dict(records[0], overhead_s=[])
-    assert "overhead_s" in cal._record_problem(broken)
+    assert "overhead_s" in calibration_problem(broken)
 
 
 def test_tp_overhead_points_only_with_1d_tensor_parallelism():
@@ -611,11 +612,11 @@ def test_a_kind_no_bandwidth_explains_keeps_memory_efficiency():
 def test_the_collective_notes_give_the_measurements_own_precision():
     """Held-out collectives cannot come closer than the points' means are known: the note gives the
     standard error of each point's mean (std_s is the population's, over `repeats` repetitions)."""
-    from perfsim.calibrate.collectives import _repetition_spread
+    from perfsim.calibrate.collectives import repetition_spread
 
     def record(mean, std, n):
         return {"nbytes": 1 << 20, "stats": {"min_s": mean / 2, "median_s": mean, "mean_s": mean, "std_s": std,
                                              "repeats": n}}
     # population std 0.3 over 10 repetitions: sample std 0.3 * sqrt(10/9), standard error that / sqrt(10)
-    note = _repetition_spread([record(1.0, 0.3, 10), record(2.0, 0.6, 10), record(1.0, 0.3, 10)])
+    note = repetition_spread([record(1.0, 0.3, 10), record(2.0, 0.6, 10), record(1.0, 0.3, 10)])
     assert "known to 10.0% at best (standard error over single repetitions" in note

@@ -90,7 +90,7 @@ def test_device_knobs_in_one_call_equal_one_call_per_setting(case):
     model, system, devices = case
     groups, _ = plan_pool(model, system, devices, GBS, FIXES, keep=50)
     for knob in whatif.DEVICE_KNOBS:
-        stacked = whatif._evaluate_device_knob(model, system, groups, knob, [0.5, 3.0], "bf16")
+        stacked = whatif.evaluate_device_knob(model, system, groups, knob, [0.5, 3.0], "bf16")
         for m, results in zip((0.5, 3.0), stacked):
             one = evaluate_pool(model, whatif.scaled_system(system, **{knob: m}), groups)
             for a, b in zip(one, results):

@@ -13,7 +13,7 @@ from perfsim.cli import main
 from perfsim.cost.columns import GPIPE, ONE_F_ONE_B, Columns
 from perfsim.errors import PerfsimError
 from perfsim.predict import evaluate
-from perfsim.search import (MOST_CANDIDATES, TEXT_KNOBS, _divisors, candidates, order_rows, parse_fixes,
+from perfsim.search import (MOST_CANDIDATES, TEXT_KNOBS, candidates, divisors, order_rows, parse_fixes,
                             rejection_reasons, search)
 from perfsim.spec.plan import ORDERS, canonical, canonical_order
 
@@ -133,9 +133,9 @@ def test_candidates_count_every_order_a_row_stands_for():
 
 def test_divisors_are_found_in_square_root_time():
     for n in range(1, 400):
-        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
     start = time.perf_counter()
-    assert _divisors(2**40 - 87) == [1, 2**40 - 87]  # the largest prime below 2^40
+    assert divisors(2**40 - 87) == [1, 2**40 - 87]  # the largest prime below 2^40
     assert time.perf_counter() - start < 5
 
 

@@ -15,7 +15,8 @@ from perfsim.predict import evaluate
 from perfsim.search import PlanSpace, plan_at
 from perfsim.spec.model import load_model
 from perfsim.spec.plan import Plan
-from perfsim.spec.system import _OPERATION_TABLES, _OPTIONAL, _RULES, available_systems, load_system
+from perfsim.spec.system import (OPERATION_TABLES, OPTIONAL_NUMBERS, REQUIRED_NUMBERS, available_systems,
+                                 load_system)
 from perfsim.uncertainty.bounds import faster_when_higher, optimistic_system, pessimistic_numbers, routes
 from perfsim.uncertainty.ranges import FIXED_KEYS
 from perfsim.uncertainty.sampling import profile_ranges
@@ -38,8 +39,9 @@ MODEL = "layers=16,hidden=2048,heads=16,seq=8192,vocab=51200"
 
 
 def test_every_sampled_number_has_a_direction():
-    keys = [f"{section}.{name}" for rules in (_RULES, _OPTIONAL) for section, names in rules.items() for name in names]
-    keys += [f"{table}.entry" for table in _OPERATION_TABLES]
+    keys = [f"{section}.{name}" for rules in (REQUIRED_NUMBERS, OPTIONAL_NUMBERS) for section, names in rules.items()
+            for name in names]
+    keys += [f"{table}.entry" for table in OPERATION_TABLES]
     for key in keys:
         if key not in FIXED_KEYS:
             assert isinstance(faster_when_higher(key), bool), key

@@ -60,14 +60,14 @@ def test_rmsnorm_backward_runs_torchs_fused_kernel_where_the_device_has_one(monk
 
     def fused(dy, x, shape, rstd, weight, mask):
         calls.append((tuple(dy.shape), tuple(x.shape), list(shape), tuple(rstd.shape), tuple(weight.shape), list(mask)))
-        monkeypatch.setitem(llama._FUSED_BACKWARD, x.device.type, False)  # the explicit math, once
+        monkeypatch.setitem(llama.FUSED_BACKWARD_WORKS, x.device.type, False)  # the explicit math, once
         try:
             return llama.rms_norm_backward(dy, x, rstd, weight)
         finally:
-            monkeypatch.setitem(llama._FUSED_BACKWARD, x.device.type, True)
+            monkeypatch.setitem(llama.FUSED_BACKWARD_WORKS, x.device.type, True)
 
     monkeypatch.setattr(llama, "FUSED_RMS_NORM_BACKWARD", fused)
-    monkeypatch.setitem(llama._FUSED_BACKWARD, "cpu", True)
+    monkeypatch.setitem(llama.FUSED_BACKWARD_WORKS, "cpu", True)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 4, 16, generator=g, requires_grad=True)
     norm = llama.RMSNorm(16)

@@ -123,7 +123,7 @@ def fake(kind: str, dtype=torch.float32):
 def gpu(monkeypatch):
     """Pretend the device's torch has every kernel and scaled_dot_product_attention picks `backend`."""
     def pick(backend, present=True):
-        monkeypatch.setattr(cp, "_sdpa_backend", lambda q, k=None: backend)
+        monkeypatch.setattr(cp, "sdpa_backend", lambda q, k=None: backend)
         monkeypatch.setattr(cp, "_has_kernel", lambda name, key: present)
     return pick
 
@@ -155,17 +155,17 @@ def test_explicit_math_where_torch_lacks_the_kernels(gpu):
 def test_explicit_math_on_other_devices_and_this_builds_gpus():
     """This torch has no CUDA or XPU kernels: nothing to ask, the checks keep those paths shut."""
     for kind in ("cuda", "xpu", "mps"):
-        assert cp._sdpa_backend(fake(kind)) is None
+        assert cp.sdpa_backend(fake(kind)) is None
         assert cp.fused_block_kernels(fake(kind)) is None
     assert cp.fused_block_kernels(torch.randn(1, 1, 4, 8, dtype=torch.float16)) is None  # CPU fp16
 
 
 def test_the_choice_is_asked_of_scaled_dot_product_attention(monkeypatch):
-    """_sdpa_backend's call goes through the real op (here its CPU kernel, which picks flash), with
+    """sdpa_backend's call goes through the real op (here its CPU kernel, which picks flash), with
     grouped queries too."""
-    monkeypatch.setattr(cp, "_DISPATCH_KEYS", {"cpu": "CPU"})
+    monkeypatch.setattr(cp, "DISPATCH_KEYS", {"cpu": "CPU"})
     q = torch.randn(B, HEADS, 2 * C, D)
-    assert cp._sdpa_backend(q) == cp._sdpa_backend(q, q) == cp._sdpa_backend(q, q[:, :1]) == cp.FLASH
+    assert cp.sdpa_backend(q) == cp.sdpa_backend(q, q) == cp.sdpa_backend(q, q[:, :1]) == cp.FLASH
 
 
 def ring_step(q, k, v, group):
@@ -190,7 +190,7 @@ def test_ring_through_gpu_kernels_equals_the_cpu_kernel(monkeypatch, one_rank_gr
     assert torch.allclose(cpu[0].float(), reference, atol=1e-5 if dtype == torch.float32 else 2e-2)
     ops = StandIns()
     real = cp.fused_block_kernels
-    monkeypatch.setattr(cp, "_sdpa_backend", lambda q, k=None: backend)
+    monkeypatch.setattr(cp, "sdpa_backend", lambda q, k=None: backend)
     monkeypatch.setattr(cp, "_has_kernel", lambda name, key: True)
     monkeypatch.setattr(cp, "fused_block_kernels", lambda q, k=None: real(fake(kind, q.dtype), k, ops))
     through = ring_step(q, k, v, one_rank_group)

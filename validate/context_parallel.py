@@ -143,8 +143,8 @@ def fused_block_kernels(q, k=None, ops=None):
             return ops._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
 
         return forward, backward
-    backend = _sdpa_backend(q, k)
-    if backend not in GPU_BLOCK_OPS or not all(_has_kernel(name, _DISPATCH_KEYS[q.device.type])
+    backend = sdpa_backend(q, k)
+    if backend not in GPU_BLOCK_OPS or not all(_has_kernel(name, DISPATCH_KEYS[q.device.type])
                                                for name in GPU_BLOCK_OPS[backend]):
         return None
     return _gpu_block_kernels(ops, backend)
@@ -158,7 +158,7 @@ GPU_BLOCK_OPS = {FLASH: ("_scaled_dot_product_flash_attention", "_scaled_dot_pro
                              "_scaled_dot_product_efficient_attention_backward"),
                  OVERRIDEABLE: ("_scaled_dot_product_fused_attention_overrideable",
                                 "_scaled_dot_product_fused_attention_overrideable_backward")}
-_DISPATCH_KEYS = {"cuda": "CUDA", "xpu": "XPU"}
+DISPATCH_KEYS = {"cuda": "CUDA", "xpu": "XPU"}
 _QKV_GRADS = [True, True, True, False]  # the gradients a backward returns: dQ, dK, dV, no attention bias's
 
 
@@ -170,12 +170,12 @@ def _has_kernel(name: str, key: str) -> bool:
         return False
 
 
-def _sdpa_backend(q, k=None) -> int | None:
+def sdpa_backend(q, k=None) -> int | None:
     """The backend scaled_dot_product_attention runs causal attention of `q`'s ring blocks (against
     `k`'s, its heads by default) in on its GPU, asked with inputs that require grad (a kernel without
     a backward for the shape is not chosen); None without a choice to ask (no kernels for the
     device, every backend switched off)."""
-    key = _DISPATCH_KEYS.get(q.device.type)
+    key = DISPATCH_KEYS.get(q.device.type)
     if key is None or not _has_kernel("_fused_sdp_choice", key):
         return None
     q_block = _halves(q)[0].detach().requires_grad_()

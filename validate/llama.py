@@ -56,7 +56,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dweight, None
 
 
-_FUSED_BACKWARD = {}  # device type -> whether torch has a fused RMSNorm backward kernel for it
+FUSED_BACKWARD_WORKS = {}  # device type -> whether torch has a fused RMSNorm backward kernel for it
 FUSED_RMS_NORM_BACKWARD = torch.ops.aten._fused_rms_norm_backward
 
 
@@ -66,11 +66,11 @@ def rms_norm_backward(dy, x, rstd, weight):
     where the device has one (CUDA, XPU: one kernel, as Transformer Engine's), else the explicit
     math below (the CPU build has no kernel for it), in fp32 and cast back."""
     kind = x.device.type
-    if _FUSED_BACKWARD.get(kind, True):
+    if FUSED_BACKWARD_WORKS.get(kind, True):
         try:
             return FUSED_RMS_NORM_BACKWARD(dy, x, [x.shape[-1]], rstd, weight, [True, True])
         except NotImplementedError:
-            _FUSED_BACKWARD[kind] = False
+            FUSED_BACKWARD_WORKS[kind] = False
     xhat = x.float() * rstd
     g = dy.float() * weight.float()
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 # the ledger's reader and record checks (re-exported: validate/ and older callers import them here)
 from perfsim.ledger import LEDGER_SCHEMA, SUITES, read_ledger  # noqa: F401
-from perfsim.ledger import calibration_problem as _record_problem  # noqa: F401
 from perfsim.calibrate.common import (COLLECTIVE_OPS, ELEMENTWISE_OPS, STATISTICS, STREAM_OPS,  # noqa: F401
                                       Calibration, Fitted, Quality, held_out, mape)
 from perfsim.calibrate.collectives import STEP_OVERHEAD_MAX_BYTES, collective_times  # noqa: F401

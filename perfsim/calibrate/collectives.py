@@ -124,7 +124,7 @@ def _fit_operations(system, fit, classes, start: dict):
     return links, factors
 
 
-def _neighbour_check(fit, held):
+def neighbour_check(fit, held):
     """A model-free look at the measurements' own scatter: each point predicted from the fitted
     points of the same operation, dtype and group nearest in size below and above it (log-log
     interpolation; the one neighbour's time at the ends), leaving the point itself out. The
@@ -156,7 +156,7 @@ def _neighbour_check(fit, held):
                    *errors(fit), *errors(held))
 
 
-def _repetition_spread(records) -> str | None:
+def repetition_spread(records) -> str | None:
     """How far the repetitions of collective points spread (median / min per point, the median of
     that over points, by size band): 1 on a quiet machine."""
     bands = ((16 << 10, "up to 16 KiB"), (1 << 20, "to 1 MiB"), (16 << 20, "to 16 MiB"), (math.inf, "above"))
@@ -364,8 +364,8 @@ def fit_collectives(records, system, ledger):
         quality.append(Quality("collectives in a step (profile with step overheads) vs each point's mean",
                                mape(collective_times(stepped, fit), means(fit)), len(fit),
                                mape(collective_times(stepped, held), means(held)) if held else float("nan"), len(held)))
-    quality.append(_neighbour_check(fit, held))
-    spread = _repetition_spread(fit + held)
+    quality.append(neighbour_check(fit, held))
+    spread = repetition_spread(fit + held)
     if spread:
         notes.append(spread)
     # Split each class's bus bandwidth into link bandwidth and efficiency.

@@ -168,7 +168,7 @@ def _scenarios(model, system: System, groups: list, fastest: list, home: int, kn
         if not need:
             break
         if knob in DEVICE_KNOBS:
-            found = dict(zip(need, (r[0] for r in _evaluate_device_knob(model, system, [groups[g]], knob, need, dtype))))
+            found = dict(zip(need, (r[0] for r in evaluate_device_knob(model, system, [groups[g]], knob, need, dtype))))
         else:
             found = {m: evaluate(model, scaled_system(system, **{knob: m}), to_columns(*groups[g]), dtype) for m in need}
         for m, r in found.items():
@@ -186,7 +186,7 @@ def _slice(r, n: int, total: int, k: int):
     return np.broadcast_to(np.asarray(r), (total,))[k * n:(k + 1) * n]
 
 
-def _evaluate_device_knob(model, system: System, groups: list, knob: str, moved: list, dtype: str) -> list:
+def evaluate_device_knob(model, system: System, groups: list, knob: str, moved: list, dtype: str) -> list:
     """evaluate_pool on the system with `knob` at each multiplier of `moved`, in one vectorised
     evaluation per group: the plans repeated once per multiplier, the device's numbers arrays."""
     from perfsim.predict import evaluate

@@ -80,7 +80,7 @@ def _weights(table: KernelTable, query: np.ndarray, leave_out_self: bool = False
     return w, np.exp(-PRIOR_OCTAVES**2 / (2 * table.width**2))
 
 
-def _unique_rows(coordinates: list) -> tuple:
+def unique_rows(coordinates: list) -> tuple:
     """(distinct rows of the broadcast coordinates in log2, index of each element's row, shape): a
     search asks for the same few shapes across many plans, so interpolate each shape once."""
     arrays = np.broadcast_arrays(*[np.asarray(c, float) for c in coordinates])
@@ -128,7 +128,7 @@ def correction(table: KernelTable, coordinates: list, curve_at_points) -> tuple:
     """(factor, curve share) for kernels at `coordinates` (numbers or arrays, one per coordinate of
     the table): the curve's time times `factor` is the prediction; `curve share` is the part of it
     the measurements do not support. `curve_at_points`: the curve's seconds at the table's points."""
-    rows, inverse, shape = _unique_rows(coordinates)
+    rows, inverse, shape = unique_rows(coordinates)
     curve = np.asarray(curve_at_points, float)
     w, prior = _weights(table, rows)
     total = w.sum(axis=1) + prior

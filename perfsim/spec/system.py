@@ -125,13 +125,13 @@ OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce
 # efficiency is a fraction, a latency factor any positive multiplier, a step overhead seconds; an
 # element-wise kind's efficiency may exceed 1 (a kind that runs in cache beats the streaming
 # memory_bandwidth_Bps) and defaults to device.memory_efficiency (None here).
-_OPERATION_TABLES = {
+OPERATION_TABLES = {
     "collectives.operation_efficiency": (OPERATIONS, "operation", ("float", 0.0, 1.0, False), 1.0),
     "collectives.operation_latency_factor": (OPERATIONS, "operation", ("float", 0.0, INF, False), 1.0),
     "collectives.operation_step_overhead_s": (OPERATIONS, "operation", ("float", 0.0, INF, True), 0.0),
     "device.operation_memory_efficiency": (MEMORY_OPERATIONS, "kind", ("float", 0.0, INF, False), None)}
 # what a collectives table gives an operation it leaves out, by table name
-OPERATION_TABLE_DEFAULTS = {key.split(".")[1]: spec[3] for key, spec in _OPERATION_TABLES.items()
+OPERATION_TABLE_DEFAULTS = {key.split(".")[1]: spec[3] for key, spec in OPERATION_TABLES.items()
                             if key.startswith("collectives.")}
 
 
@@ -287,11 +287,12 @@ class System:
 
 
 # Allowed range per key: (kind, lowest, highest, lowest allowed?). "int" keys must be whole numbers.
+# REQUIRED_NUMBERS: the keys every profile section must give.
 _POSITIVE = ("float", 0.0, INF, False)
 _NONNEG = ("float", 0.0, INF, True)
 _FRACTION = ("float", 0.0, 1.0, False)
 _COUNT = ("int", 1, INF, True)
-_RULES = {
+REQUIRED_NUMBERS = {
     "device": {f.name: _POSITIVE for f in fields(Device)
                if f.name not in ("name", "operation_memory_efficiency", "flash_forward_efficiency",
                                  "flash_backward_efficiency", "flash_score_s", "peak_flops_fp8", "fp8_gemm_efficiency", "gemm_half_dim_k", "measured", "kernel_dtype",
@@ -304,13 +305,13 @@ _RULES = {
     "network": {"nics_per_node": _COUNT, "nic_bandwidth_Bps": _POSITIVE, "latency_s": _NONNEG,
                 "oversubscription": ("float", 1.0, INF, True)},
     "collectives": {f.name: _FRACTION for f in fields(Collectives) if f.name.endswith("_efficiency")
-                    and f"collectives.{f.name}" not in _OPERATION_TABLES and f.name != "overlap_efficiency"},
+                    and f"collectives.{f.name}" not in OPERATION_TABLES and f.name != "overlap_efficiency"},
     "framework": {"grad_bytes_per_param": _POSITIVE, "dp_overlap": ("float", 0.0, 1.0, True),
                   "reserved_memory_bytes": _NONNEG, "allocator_overhead_fraction": ("float", 0.0, 1.0, True),
                   "step_overhead_s": _NONNEG},
 }
 # Optional numbers (value, provenance and source like the others); left out, the dataclass default.
-_OPTIONAL = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
+OPTIONAL_NUMBERS = {"framework": {"zero3_overlap": ("float", 0.0, 1.0, True), "tp_layer_overhead_s": _NONNEG,
                            "sp_layer_overhead_s": _NONNEG, "tp_overlap": ("float", 0.0, 1.0, True),
                            "host_overlap": ("float", 0.0, 1.0, True), "autocast": ("float", 0.0, 1.0, True),
                            "optimizer_bytes_per_param": _POSITIVE, "grad_accumulation_bytes_per_param": _NONNEG,
@@ -342,9 +343,9 @@ _NUMBER_PARTS = ("value", "provenance", "source", "range", "distribution", "caus
 
 def _section_keys(section: str) -> tuple:
     """Every key [section] may hold, required or optional (anything else is an error)."""
-    tables = tuple(key.split(".")[1] for key in _OPERATION_TABLES if key.startswith(section + "."))
-    return (_STRINGS.get(section, ()) + tuple(_CHOICES.get(section, {})) + tuple(_RULES[section])
-            + tuple(_OPTIONAL.get(section, {})) + tables + (("measured",) if section in _MEASURED_KERNELS else ()))
+    tables = tuple(key.split(".")[1] for key in OPERATION_TABLES if key.startswith(section + "."))
+    return (_STRINGS.get(section, ()) + tuple(_CHOICES.get(section, {})) + tuple(REQUIRED_NUMBERS[section])
+            + tuple(OPTIONAL_NUMBERS.get(section, {})) + tables + (("measured",) if section in _MEASURED_KERNELS else ()))
 
 
 _TABLE_PARTS = ("provenance", "source", "width_octaves", "columns", "points")
@@ -452,9 +453,9 @@ def _number(where: str, key: str, entry, rule) -> float:
 
 
 def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
-    """An optional per-operation table (key "section.table", see _OPERATION_TABLES) as
+    """An optional per-operation table (key "section.table", see OPERATION_TABLES) as
     ((name, value), ...) in the order of its allowed names."""
-    names, noun, rule, _ = _OPERATION_TABLES[key]
+    names, noun, rule, _ = OPERATION_TABLES[key]
     if not isinstance(raw, dict):
         raise PerfsimError(f"{where}: {key} must be a table of {noun}s "
                            f"({', '.join(names)}), each with value, provenance and source")
@@ -473,14 +474,14 @@ def _operation_table(where: str, key: str, raw, provenance: dict) -> tuple:
 def operation_names(key: str) -> tuple:
     """The names an optional per-operation table ("collectives.operation_efficiency",
     "device.operation_memory_efficiency", ...) may hold, in the order a System keeps them."""
-    return _OPERATION_TABLES[key][0]
+    return OPERATION_TABLES[key][0]
 
 
 def parse_system(data: dict, where: str, path: str = "") -> System:
     """Build a System from parsed TOML; every problem names `where` and the key."""
-    _refuse_unknown(where, data, _TOP_LEVEL + tuple(_RULES) + _OPTIONAL_SECTIONS, "",
+    _refuse_unknown(where, data, _TOP_LEVEL + tuple(REQUIRED_NUMBERS) + _OPTIONAL_SECTIONS, "",
                     f"a profile holds {', '.join(_TOP_LEVEL)} and the sections "
-                    f"{', '.join(f'[{s}]' for s in _RULES)} (docs/profile-format.md)")
+                    f"{', '.join(f'[{s}]' for s in REQUIRED_NUMBERS)} (docs/profile-format.md)")
     schema = data.get("schema")
     if isinstance(schema, bool) or schema != 1:
         raise PerfsimError(f"{where}: schema must be 1, got {schema!r}")
@@ -488,7 +489,7 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         if not isinstance(data.get(key), str):
             raise PerfsimError(f"{where}: {key} must be a string")
     sections, provenance = {}, {}
-    for section, rules in _RULES.items():
+    for section, rules in REQUIRED_NUMBERS.items():
         raw = data.get(section)
         if raw is None:
             raise PerfsimError(f"{where}: missing section [{section}]")
@@ -509,7 +510,7 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                     raise PerfsimError(f"{where}: {section}.{key} must be a plain string, one of "
                                        f"{', '.join(allowed)}; got {got}")
                 values[key] = raw[key]
-        for key in _OPERATION_TABLES:
+        for key in OPERATION_TABLES:
             table_section, table = key.split(".")
             if table_section == section and table in raw:
                 values[table] = _operation_table(where, key, raw[table], provenance)
@@ -518,7 +519,7 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
                 raise PerfsimError(f"{where}: missing key {section}.{key}")
             values[key] = _number(where, f"{section}.{key}", raw[key], rule)
             provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
-        for key, rule in _OPTIONAL.get(section, {}).items():
+        for key, rule in OPTIONAL_NUMBERS.get(section, {}).items():
             if key in raw:
                 values[key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
@@ -529,10 +530,10 @@ def parse_system(data: dict, where: str, path: str = "") -> System:
         raw = data.get(section, {})
         if not isinstance(raw, dict):
             raise PerfsimError(f"{where}: {section} must be the section [{section}], got {raw!r}")
-        _refuse_unknown(where, raw, tuple(_OPTIONAL[section]), f"{section}.",
+        _refuse_unknown(where, raw, tuple(OPTIONAL_NUMBERS[section]), f"{section}.",
                         f"docs/profile-format.md lists the keys of [{section}]")
         sections[section] = {}
-        for key, rule in _OPTIONAL[section].items():
+        for key, rule in OPTIONAL_NUMBERS[section].items():
             if key in raw:
                 sections[section][key] = _number(where, f"{section}.{key}", raw[key], rule)
                 provenance[f"{section}.{key}"] = (raw[key]["provenance"], raw[key]["source"])
@@ -588,9 +589,9 @@ def number_rule(key: str):
     "section.table.name"; None for anything else (a measured table)."""
     section, _, rest = key.partition(".")
     table = f"{section}.{rest.split('.')[0]}"
-    if table in _OPERATION_TABLES:
-        return _OPERATION_TABLES[table][2]
-    return _RULES.get(section, {}).get(rest) or _OPTIONAL.get(section, {}).get(rest)
+    if table in OPERATION_TABLES:
+        return OPERATION_TABLES[table][2]
+    return REQUIRED_NUMBERS.get(section, {}).get(rest) or OPTIONAL_NUMBERS.get(section, {}).get(rest)
 
 
 def number_value(system: System, key: str):
