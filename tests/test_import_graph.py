@@ -1,7 +1,8 @@
 """The import graph of perfsim/ and validate/, read with `ast` (imports at module level and inside
-functions alike): no circle between modules, no perfsim module importing another's underscore name, and
-one door from perfsim to validate (perfsim/harness.py), so the edge between the packages points
-from validate to perfsim everywhere else."""
+functions alike): no circle between modules, one door from perfsim to validate (perfsim/harness.py),
+so the edge between the packages points from validate to perfsim everywhere else, and no file of
+perfsim/, validate/, tests/ or benchmarks/ taking another module's underscore name (a name used
+across modules is public)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("perfsim", "validate")
+SCRIPTS = ("tests", "benchmarks")  # their files import their folder's helpers by bare name (conftest, browser)
 HARNESS = "perfsim.harness"  # the only perfsim module that may name validate
 
 
@@ -35,30 +37,30 @@ def _module_of(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str, path: pathlib.Path):
-    """(imported module, imported name or None, line) of every import statement in the file, and of
-    importlib.import_module / __import__ calls given a literal name."""
+def _imports(module: str, path: pathlib.Path, tree: ast.AST | None = None):
+    """(imported module, imported name or None, line, the name the file binds to it or None) of every
+    import statement in the file, and of importlib.import_module / __import__ calls given a literal name."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree or ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, None, node.lineno
+                yield alias.name, None, node.lineno, alias.asname or alias.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
-                yield base, alias.name, node.lineno
+                yield base, alias.name, node.lineno, alias.asname or alias.name
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
               in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)):
-            yield node.args[0].value, None, node.lineno
+            yield node.args[0].value, None, node.lineno, None
 
 
 def _edges(module: str) -> set:
     targets = set()
-    for base, name, _ in _imports(module, MODULES[module]):
+    for base, name, _, _ in _imports(module, MODULES[module]):
         target = _module_of(f"{base}.{name}") if name and f"{base}.{name}" in MODULES else _module_of(base)
         if target and target != module:
             targets.add(target)
@@ -121,13 +123,60 @@ def test_no_circle_of_imports():
 def test_perfsim_reaches_validate_only_through_the_harness():
     crossing = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {base}"
                 for m in MODULES if m.startswith("perfsim") and m != HARNESS
-                for base, _, line in _imports(m, MODULES[m]) if base.split(".")[0] == "validate"]
+                for base, _, line, _ in _imports(m, MODULES[m]) if base.split(".")[0] == "validate"]
     assert not crossing, "perfsim reaches validate/ only through perfsim/harness.py:\n" + "\n".join(crossing)
 
 
-def test_no_perfsim_module_imports_another_modules_underscore_name():
-    found = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {name} from {base}"
-             for m in MODULES if m.startswith("perfsim") for base, name, line in _imports(m, MODULES[m])
-             if name and name.startswith("_") and not name.startswith("__")
-             and _module_of(base) not in (None, m) and base.split(".")[0] in PACKAGES]
-    assert not found, "\n".join(found)
+def _underscore_uses(path: pathlib.Path, module: str, known: dict, root: pathlib.Path = ROOT) -> list:
+    """Where the file takes an underscore name from another module of `known` (dotted name -> path):
+    `from X import _name`, and `alias._name` where alias is a module of `known` it imported
+    (`import X as alias`, `from P import X`, `import P.X` then `P.X._name`)."""
+    def owner(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, aliases = [], {}  # aliases: a name the file binds -> the module of `known` it stands for
+    for base, name, line, bound in _imports(module, path, tree):
+        if name is None:
+            target = base.split(".")[0] if bound == base.split(".")[0] else base  # `import P.X` binds P
+        else:
+            target = f"{base}.{name}"
+            if private(name) and target not in known and owner(base) not in (None, module):
+                found.append(f"{path.relative_to(root)}:{line} imports {name} from {base}")
+        if bound and target in known:
+            aliases[bound] = target
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in aliases:
+                dotted = ".".join([aliases[value.id]] + chain)
+                if dotted in known and dotted != module:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} uses {dotted}.{node.attr}")
+    return found
+
+
+def test_the_underscore_check_sees_both_forms(tmp_path):
+    """A check on the check: an underscore name imported, or read off an imported module, is caught."""
+    (tmp_path / "helper.py").write_text("_x = 1\n")
+    user = tmp_path / "user.py"
+    user.write_text("import perfsim.search\nfrom helper import _x\nimport helper as h\n"
+                    "print(h._x, perfsim.search._hidden, h.__name__)\n")
+    known = {**MODULES, "helper": tmp_path / "helper.py", "user": user}
+    assert _underscore_uses(user, "user", known, tmp_path) == ["user.py:2 imports _x from helper", "user.py:4 uses helper._x", "user.py:4 uses perfsim.search._hidden"]
+
+
+def test_no_file_takes_another_modules_underscore_name():
+    files = [(path, module, MODULES) for module, path in MODULES.items()]
+    for folder in SCRIPTS:
+        local = {path.stem: path for path in sorted((ROOT / folder).glob("*.py"))}
+        files += [(path, stem, {**MODULES, **local}) for stem, path in local.items()]
+    found = [use for path, module, known in files for use in _underscore_uses(path, module, known)]
+    assert not found, "names used across modules are public; make these so:\n" + "\n".join(found)

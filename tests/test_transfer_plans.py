@@ -30,11 +30,11 @@ def test_the_plans_text_round_trips_to_validates_default_plans(nproc):
 
 
 def test_calibrate_runs_one_campaign_per_kernel_set_of_those_plans():
-    from perfsim.commands.calibrate import PLAN_KEYS, _given_plans
+    from perfsim.commands.calibrate import PLAN_KEYS, given_plans
 
     transfer = transfer_module()
     args = SimpleNamespace(plans=transfer.validation_plans(2, transfer.VALIDATION_MODEL), **{k: None for k in PLAN_KEYS})
-    campaigns = _given_plans(args)
+    campaigns = given_plans(args)
     layouts = sorted((c["tp"], c["sp"], c["pp"], c["cp"]) for c in campaigns)
     # tp 2 with and without sequence parallelism, pp 2, dp 2 (tp = pp = cp = 1), cp 2: recompute,
     # ZeRO, schedules and flash attention change no kernel shape a campaign measures

@@ -166,7 +166,7 @@ def _options(args, world: int, ranks_per_node: int, given: dict | None = None):
                    threads=args.threads)
 
 
-def _given_plans(args) -> list:
+def given_plans(args) -> list:
     """[plan fields] of each of --plans (the fields that decide what a campaign measures), or
     [None]: the plan flags."""
     if not getattr(args, "plans", None):
@@ -267,7 +267,7 @@ def _measure_and_fit(args, system: str) -> None:
     nproc = args.nproc or _visible_devices(args.device)
     if nproc > 1:
         distributed_backend(args.device)
-    campaigns = [_options(args, nproc, nproc, given) for given in _given_plans(args)]
+    campaigns = [_options(args, nproc, nproc, given) for given in given_plans(args)]
     for options in campaigns:
         _check_plan(options, nproc)
     launch_local = harness("campaign").launch_local
