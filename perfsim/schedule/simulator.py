@@ -24,6 +24,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -270,7 +271,7 @@ def _place(costs: StepCosts, system: System, c: Columns) -> None:
 
 class _Builder:
     def __init__(self, costs: StepCosts):
-        self.k = costs
+        self.costs = costs
         self.g = engine.Graph()
         self.meta: list = []  # per task: (stage, segments ((kind, seconds), ...), label); the engine sees numbers
         self.main: list = [[] for _ in range(costs.p)]   # compute-stream tasks per stage, in order
@@ -302,30 +303,39 @@ class _Builder:
     def links(self, stage: int, peer: int | None = None):
         """NIC links of a transfer from `stage` (to `peer`; a collective inside the stage without);
         None when the simulation does not share links."""
-        if not self.k.share_links:
+        if not self.costs.share_links:
             return None
-        nic = self.k.nic
+        nic = self.costs.nic
         if peer is None:
             return (2 * nic[stage], 2 * nic[stage] + 1)
         return (2 * nic[stage], 2 * nic[peer] + 1)
 
 
-def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
-    """How each (kind, chunk) pass of stage i runs, the same for every micro-batch, as a tuple:
-    (segments on the compute stream: compute, TP collectives and the blocking send unless those are
-    transfers of their own; the work before the send; the send as a shared-link transfer: tail,
-    links, class, when it crosses nodes; a cross-node TP collective's time, which is then a transfer
-    of its own; where the send goes; whether the pass waits for data from another stage)."""
-    p, v = k.p, k.v
+class PassTemplate(NamedTuple):
+    """How one (kind, chunk) pass of a stage runs, the same for every micro-batch (_templates)."""
+    segments: tuple  # ((kind, seconds), ...) on the compute stream: compute, TP collectives and the
+    # blocking send, unless those are transfers of their own
+    work: float  # seconds on the compute stream before a send that is a shared-link transfer
+    tail: float  # that send's seconds (a transfer when it crosses nodes); 0 without one
+    links: tuple | None  # the NIC links the send shares
+    traffic_class: int  # PP_FORWARD or PP_BACKWARD for such a send, else 0
+    split_tp: float  # a cross-node TP collective's seconds: then a transfer of its own
+    target: tuple | None  # (stage, chunk) the pass sends its result to
+    receives: bool  # whether the pass waits for data from another stage
 
-    pos = k.position(i)
-    shares = k.chunk_shares.get(pos)
+
+def _templates(builder: _Builder, costs: StepCosts, i: int, zb: bool) -> dict:
+    """(kind, chunk) -> the PassTemplate of each pass of stage i."""
+    p, v = costs.p, costs.v
+
+    pos = costs.position(i)
+    shares = costs.chunk_shares.get(pos)
 
     def part(name: str, chunk: int) -> float:
         """One chunk's share on stage i: the layers split evenly over the chunks, the embedding
         on the first chunk of the first stage, the head on the last chunk of the last stage (or
         the chunk's own share, where the stage's chunks differ)."""
-        values = getattr(k, name)
+        values = getattr(costs, name)
         if shares is not None:
             return values[pos] * shares[name][chunk]
         if p == 1:
@@ -338,16 +348,17 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         return x
 
     out = {}
-    split = k.tp_cross[i]  # a cross-node TP collective is a transfer of its own
+    split = costs.tp_cross[i]  # a cross-node TP collective is a transfer of its own
     previous = (i - 1) % p
     for chunk in range(v):
+        downstream, upstream = _downstream(i, chunk, p, v), _upstream(i, chunk, p)
         wg = min(part("weight_grad", chunk), part("backward_compute", chunk)) if zb else 0.0
         tp_f, tp_b = part("forward_tp", chunk), part("backward_tp", chunk)
-        parts = {F: [(DP, k.zero_block_f.get(pos, 0.0)), (COMPUTE, part("forward_compute", chunk)),
+        parts = {F: [(DP, costs.zero_block_f.get(pos, 0.0)), (COMPUTE, part("forward_compute", chunk)),
                      (CP, part("forward_cp", chunk)), (EP, part("forward_ep", chunk)), (TP, 0.0 if split else tp_f)],
                  # the ring's waits sit inside every layer's backward: drawn ahead of the compute, and
                  # the gradient buckets released over both (_reduce), the last at the pass's compute end
-                 B: [(DP, k.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part("recompute", chunk)),
+                 B: [(DP, costs.zero_block_b.get(pos, 0.0)), (RECOMPUTE, part("recompute", chunk)),
                      (CP, part("backward_cp", chunk)), (EP, part("backward_ep", chunk)),
                      (COMPUTE, part("backward_compute", chunk) - wg),
                      (TP, 0.0 if split else tp_b)],
@@ -355,60 +366,59 @@ def _templates(b: _Builder, k: StepCosts, i: int, zb: bool) -> dict:
         for kind, segs in parts.items():
             segments = tuple((x, d) for x, d in segs if d > 0.0) or ((COMPUTE, 0.0),)
             work = sum(d for _, d in segments)
-            target = None if kind == W else (_forward_target if kind == F else _backward_target)(i, chunk, p, v)
+            target = None if kind == W else downstream if kind == F else upstream
             tail, links, cls = 0.0, None, 0
-            if target is not None and k.hop_s > 0 and not split:
-                segments += ((PP, k.hop_s),)
-                cross = k.pp_cross[i] if kind == F else k.pp_cross[previous]
-                links = b.links(i, target[0]) if cross else None
+            if target is not None and costs.hop_s > 0 and not split:
+                segments += ((PP, costs.hop_s),)
+                cross = costs.pp_cross[i] if kind == F else costs.pp_cross[previous]
+                links = builder.links(i, target[0]) if cross else None
                 if links is not None:
-                    tail, cls = k.hop_s, PP_FORWARD if kind == F else PP_BACKWARD
+                    tail, cls = costs.hop_s, PP_FORWARD if kind == F else PP_BACKWARD
                 else:
-                    work += k.hop_s
+                    work += costs.hop_s
             split_tp = (tp_f if kind == F else tp_b if kind == B else 0.0) if split else 0.0
-            source = None if kind == W else (_forward_source if kind == F else _backward_source)(i, chunk, p, v)
-            out[(kind, chunk)] = (segments, work, tail, links, cls, split_tp, target, source is not None)
+            source = None if kind == W else upstream if kind == F else downstream
+            out[(kind, chunk)] = PassTemplate(segments, work, tail, links, cls, split_tp, target, source is not None)
     return out
 
 
 def build(costs: StepCosts):
     """The task graph of one step; returns the builder (graph, display data, stream lists)."""
-    k = costs
-    p, m, v = k.p, k.m, k.v
-    if k.schedule not in SIMULATED_SCHEDULES:
-        raise PerfsimError(f"schedule must be one of {', '.join(SIMULATED_SCHEDULES)}, got {k.schedule!r}")
-    zb = k.schedule == "zb-h1"
-    b = _Builder(costs)
-    nb = costs.buckets
-    orders = [stage_order(k.schedule, i, p, m, v) for i in range(p)]
+    p, m, v = costs.p, costs.m, costs.v
+    if costs.schedule not in SIMULATED_SCHEDULES:
+        raise PerfsimError(f"schedule must be one of {', '.join(SIMULATED_SCHEDULES)}, got {costs.schedule!r}")
+    zb = costs.schedule == "zb-h1"
+    builder = _Builder(costs)
+    buckets = costs.buckets
+    orders = [stage_order(costs.schedule, i, p, m, v) for i in range(p)]
     # The pass that produces a chunk's weight gradients: B, or W under zb-h1.
     grad_kind = W if zb else B
-    hop = ((PP, k.hop_s),)
-    add, meta, main_last = b.g.add, b.meta, b._main_last
+    hop = ((PP, costs.hop_s),)
+    add, meta, main_last = builder.g.add, builder.meta, builder._main_last
     sends = {}      # (kind, micro-batch, receiving stage, its chunk) -> task the receiver waits for
     receives = []   # (receiving pass, key into sends)
-    zero3 = k.zero == 3 and k.dp > 1
-    after = b.g.after
+    zero3 = costs.zero == 3 and costs.dp > 1
+    after = builder.g.after
     for i in range(p):
-        pos = k.position(i)
-        dp_links = b.links(i) if k.dp_cross[i] else None
+        pos = costs.position(i)
+        dp_links = builder.links(i) if costs.dp_cross[i] else None
         order = orders[i]
-        main_i = b.main[i]
-        templates = _templates(b, k, i, zb)
+        main_i = builder.main[i]
+        templates = _templates(builder, costs, i, zb)
         last_grad = {}
         for index, (kind, j, chunk) in enumerate(order):
             if kind == grad_kind:
                 last_grad[chunk] = index
         # ZeRO-3: every F and B pass waits for its chunk's weights (B twice over with full
         # recomputation); the gather of the next pass may start when this one starts (prefetch one).
-        gather_for = [None if kind == W else k.gather[pos] * (2 if kind == B and k.recompute_full else 1)
+        gather_for = [None if kind == W else costs.gather[pos] * (2 if kind == B and costs.recompute_full else 1)
                       for kind, _, _ in order] if zero3 else None
 
         def gather(index, after_task):
-            t = b.task(i, ((DP, gather_for[index]),), ("gather",) + order[index], links=dp_links, cls=DP_TRAFFIC,
-                       stream="side")
+            t = builder.task(i, ((DP, gather_for[index]),), ("gather",) + order[index], links=dp_links,
+                             cls=DP_TRAFFIC, stream="side")
             if after_task >= 0:
-                b.g.after_start(t, after_task, 0.0)
+                builder.g.after_start(t, after_task, 0.0)
             return t
 
         pending = {}
@@ -416,13 +426,13 @@ def build(costs: StepCosts):
             first = next((n for n, x in enumerate(gather_for) if x is not None), None)
             if first is not None:
                 pending[first] = gather(first, -1)
-        dp_work = k.dp > 1
+        dp_work = costs.dp > 1
         last = main_last[i]
         for index, entry in enumerate(order):
             kind, j, chunk = entry
             segments, work, tail, links, cls, split_tp, target, receives_data = templates[kind, chunk]
-            if dp_work and kind == grad_kind and k.overlap_efficiency < 1.0:
-                extra = _contention(k, pos, segments, index == last_grad.get(chunk), nb)
+            if dp_work and kind == grad_kind and costs.overlap_efficiency < 1.0:
+                extra = _contention(costs, pos, segments, index == last_grad.get(chunk), buckets)
                 segments, work = ((DP, extra),) + segments, work + extra
             if index in pending:
                 task = add(work, (last, pending.pop(index)), links, cls, tail)
@@ -433,64 +443,59 @@ def build(costs: StepCosts):
             meta.append((i, segments, entry))
             if receives_data:
                 receives.append((task, (kind, j, i, chunk)))
-            if zero3 or split_tp > 0 or (dp_work and kind == grad_kind):  # the rarer tasks use b.task
+            if zero3 or split_tp > 0 or (dp_work and kind == grad_kind):  # the rarer tasks use builder.task
                 main_last[i] = last
                 if zero3:
                     later = next((n for n in range(index + 1, len(order)) if gather_for[n] is not None), None)
                     if later is not None and later not in pending:
                         pending[later] = gather(later, task)
                 if split_tp > 0:  # the TP collective and the send as transfers of their own
-                    b.task(i, ((TP, split_tp),), ("tp", kind, j, chunk), links=b.links(i), cls=TP_TRAFFIC, work=0.0,
-                           tail=split_tp)
-                    if target is not None and k.hop_s > 0:
-                        cross = k.pp_cross[i] if kind == F else k.pp_cross[(i - 1) % p]
-                        b.task(i, hop, ("send", kind, j, chunk), links=b.links(i, target[0]) if cross else None,
-                               cls=PP_FORWARD if kind == F else PP_BACKWARD, work=0.0, tail=k.hop_s)
+                    builder.task(i, ((TP, split_tp),), ("tp", kind, j, chunk), links=builder.links(i), cls=TP_TRAFFIC,
+                                 work=0.0, tail=split_tp)
+                    if target is not None and costs.hop_s > 0:
+                        cross = costs.pp_cross[i] if kind == F else costs.pp_cross[(i - 1) % p]
+                        builder.task(i, hop, ("send", kind, j, chunk),
+                                     links=builder.links(i, target[0]) if cross else None,
+                                     cls=PP_FORWARD if kind == F else PP_BACKWARD, work=0.0, tail=costs.hop_s)
                 if target is not None:
                     sends[(kind, j, target[0], target[1])] = main_last[i]
                 if dp_work and kind == grad_kind:
-                    _reduce(b, k, i, pos, chunk, task, segments, index == last_grad.get(chunk), dp_links, nb)
+                    _reduce(builder, costs, i, pos, chunk, task, segments, index == last_grad.get(chunk), dp_links,
+                            buckets)
                 last = main_last[i]
             elif target is not None:
                 sends[(kind, j, target[0], target[1])] = last
         main_last[i] = last
-    depend = b.g.depend
+    depend = builder.g.depend
     for consumer, key in receives:
         depend(consumer, sends[key])
-    _finish(b, k)
-    return b
+    _finish(builder, costs)
+    return builder
 
 
-def _forward_source(i, chunk, p, v):
-    if i > 0:
-        return (i - 1, chunk)
-    return (p - 1, chunk - 1) if chunk > 0 else None
-
-
-def _forward_target(i, chunk, p, v):
+def _downstream(i, chunk, p, v):
+    """The (stage, chunk) after chunk `chunk` of stage i in the model's layer order (the last stage's
+    chunk c hands over to the first stage's chunk c + 1): where its forward pass sends and its
+    backward pass receives from; None at the model's end."""
     if i < p - 1:
         return (i + 1, chunk)
     return (0, chunk + 1) if chunk < v - 1 else None
 
 
-def _backward_source(i, chunk, p, v):
-    if i < p - 1:
-        return (i + 1, chunk)
-    return (0, chunk + 1) if chunk < v - 1 else None
-
-
-def _backward_target(i, chunk, p, v):
+def _upstream(i, chunk, p):
+    """The (stage, chunk) before it: where its forward pass receives from and its backward pass
+    sends to; None at the model's start."""
     if i > 0:
         return (i - 1, chunk)
     return (p - 1, chunk - 1) if chunk > 0 else None
 
 
-def _bucket(k: StepCosts, pos: str, last: bool) -> float:
+def _bucket(costs: StepCosts, pos: str, last: bool) -> float:
     """Seconds of one overlapped gradient bucket of a gradient-producing pass (ZeRO-0/1: only the
     chunk's last such pass reduces)."""
-    if k.zero <= 1:
-        return k.reduction_bucket.get(pos, 0.0) if last else 0.0
-    return k.scatter_bucket.get(pos, 0.0)
+    if costs.zero <= 1:
+        return costs.reduction_bucket.get(pos, 0.0) if last else 0.0
+    return costs.scatter_bucket.get(pos, 0.0)
 
 
 def _release_window(segments) -> tuple:
@@ -506,80 +511,81 @@ def _release_window(segments) -> tuple:
     return offset, grad
 
 
-def _contention(k: StepCosts, pos: str, segments, last: bool, nb: int) -> float:
+def _contention(costs: StepCosts, pos: str, segments, last: bool, buckets: int) -> float:
     """Seconds a gradient-producing pass is lengthened by the buckets it hides when overlap is
     imperfect: the 1 - overlap_efficiency share of what its compute hides of them, as the closed
     form charges it (overlap.overlapped_exposure; docs/equations.md 6.1). ZeRO-3's prefetch keeps
     framework.zero3_overlap, which already holds its slowdown, in both engines."""
-    total = nb * _bucket(k, pos, last) if k.zero <= 2 else 0.0
+    total = buckets * _bucket(costs, pos, last) if costs.zero <= 2 else 0.0
     if total <= 0:
         return 0.0
     window = _release_window(segments)[1]
-    return float(overlapped_exposure(total, window, nb, k.overlap_efficiency) - overlapped_exposure(total, window, nb))
+    return float(overlapped_exposure(total, window, buckets, costs.overlap_efficiency)
+                 - overlapped_exposure(total, window, buckets))
 
 
-def _reduce(b: _Builder, k: StepCosts, i: int, pos: str, chunk: int, pass_task: int, segments, last: bool,
-            links, nb: int) -> None:
+def _reduce(builder: _Builder, costs: StepCosts, i: int, pos: str, chunk: int, pass_task: int, segments, last: bool,
+            links, buckets: int) -> None:
     """Gradient buckets of one gradient-producing pass: released one by one as the pass's
     compute segment runs (one bucket per layer), reduced on the data-parallel stream; ZeRO-2's
     non-overlapped share blocks the compute stream after the pass."""
-    bucket = _bucket(k, pos, last)
+    bucket = _bucket(costs, pos, last)
     if bucket > 0:
         offset, grad = _release_window(segments)
-        for n in range(nb):
-            t = b.task(i, ((DP, bucket),), ("bucket", n, chunk), links=links, cls=DP_TRAFFIC, stream="side")
-            b.g.after_start(t, pass_task, offset + grad * (n + 1) / nb)
-    if k.zero == 2 and k.scatter_rest.get(pos, 0.0) > 0:
-        t = b.task(i, ((DP, k.scatter_rest[pos]),), ("reduce-scatter", chunk), deps=(pass_task,), links=links,
-                   cls=DP_TRAFFIC, stream="side")
-        b.g.depend(_blocker(b, i), t)
+        for n in range(buckets):
+            t = builder.task(i, ((DP, bucket),), ("bucket", n, chunk), links=links, cls=DP_TRAFFIC, stream="side")
+            builder.g.after_start(t, pass_task, offset + grad * (n + 1) / buckets)
+    if costs.zero == 2 and costs.scatter_rest.get(pos, 0.0) > 0:
+        t = builder.task(i, ((DP, costs.scatter_rest[pos]),), ("reduce-scatter", chunk), deps=(pass_task,),
+                         links=links, cls=DP_TRAFFIC, stream="side")
+        builder.g.depend(_blocker(builder, i), t)
 
 
-def _blocker(b: _Builder, i: int) -> int:
+def _blocker(builder: _Builder, i: int) -> int:
     """A zero-length task on the compute stream that the next pass must wait behind."""
-    return b.task(i, ((DP, 0.0),), ("wait",))
+    return builder.task(i, ((DP, 0.0),), ("wait",))
 
 
-def _finish(b: _Builder, k: StepCosts) -> None:
+def _finish(builder: _Builder, costs: StepCosts) -> None:
     """After the last pass: the rest of the gradient reduction, the tied-embedding all-reduce, a
     step-wide synchronisation (the gradient-norm all-reduce of clipping, timed as free but for the
     wait for the slowest rank, set after the run: _wait_for_slowest_rank), the optimizer step, the
     ZeRO-1/2 weight all-gather, and the framework's per-step overhead."""
-    p = k.p
+    p = costs.p
     done = []
     for i in range(p):
-        pos = k.position(i)
-        links = b.links(i) if k.dp_cross[i] else None
-        rest = k.reduction_rest.get(pos, 0.0) if k.zero <= 1 else 0.0
+        pos = costs.position(i)
+        links = builder.links(i) if costs.dp_cross[i] else None
+        rest = costs.reduction_rest.get(pos, 0.0) if costs.zero <= 1 else 0.0
         if rest > 0:
-            b.task(i, ((DP, rest),), ("reduce",), deps=(b._main_last[i],), links=links, cls=DP_TRAFFIC,
-                   stream="side")
-        done.append((b._main_last[i], b._side_last[i]))
-    last = [b._main_last[i] for i in range(p)]
-    if k.tied_s > 0 and p > 1:
-        ends = b.links(0), b.links(p - 1)
-        links = ends[0] + ends[1] if k.tied_cross and ends[0] is not None else None
-        tied = b.task(0, ((PP, k.tied_s),), ("tied embedding all-reduce",),
-                      deps=(*done[0], *done[p - 1]), links=links, cls=TIED_TRAFFIC)
+            builder.task(i, ((DP, rest),), ("reduce",), deps=(builder._main_last[i],), links=links,
+                         cls=DP_TRAFFIC, stream="side")
+        done.append((builder._main_last[i], builder._side_last[i]))
+    last = [builder._main_last[i] for i in range(p)]
+    if costs.tied_s > 0 and p > 1:
+        ends = builder.links(0), builder.links(p - 1)
+        links = ends[0] + ends[1] if costs.tied_cross and ends[0] is not None else None
+        tied = builder.task(0, ((PP, costs.tied_s),), ("tied embedding all-reduce",),
+                            deps=(*done[0], *done[p - 1]), links=links, cls=TIED_TRAFFIC)
         last[0] = tied
-        b.tied = tied
+        builder.tied = tied
     else:
-        b.tied = None
-    sync = b.task(0, (), ("sync",), deps=[t for pair in done for t in pair] + last, stream=None)
+        builder.tied = None
+    sync = builder.task(0, (), ("sync",), deps=[t for pair in done for t in pair] + last, stream=None)
     for i in range(p):
-        pos = k.position(i)
-        b._main_last[i] = -1
-        b.task(i, ((OPTIMIZER, k.optimizer.get(pos, 0.0)),), ("optimizer step",), deps=(sync,))
-        gather = k.post_gather.get(pos, 0.0)
+        pos = costs.position(i)
+        builder._main_last[i] = -1
+        builder.task(i, ((OPTIMIZER, costs.optimizer.get(pos, 0.0)),), ("optimizer step",), deps=(sync,))
+        gather = costs.post_gather.get(pos, 0.0)
         if gather > 0:
-            b.task(i, ((DP, gather),), ("weight all-gather",), links=b.links(i) if k.dp_cross[i] else None,
-                   cls=DP_TRAFFIC)
-    end = b.task(0, (), ("step end",), deps=[b._main_last[i] for i in range(p)], stream=None)
-    b.sync, b.end = sync, end
+            builder.task(i, ((DP, gather),), ("weight all-gather",),
+                         links=builder.links(i) if costs.dp_cross[i] else None, cls=DP_TRAFFIC)
+    end = builder.task(0, (), ("step end",), deps=[builder._main_last[i] for i in range(p)], stream=None)
+    builder.sync, builder.end = sync, end
     for i in range(p):
-        b._main_last[i] = -1
-        if k.overhead_s > 0:
-            b.task(i, ((OTHER, k.overhead_s),), ("step overhead",), deps=(end,))
+        builder._main_last[i] = -1
+        if costs.overhead_s > 0:
+            builder.task(i, ((OTHER, costs.overhead_s),), ("step overhead",), deps=(end,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,33 +626,33 @@ def run_step(costs: StepCosts) -> SimResult:
     collecting = gc.isenabled()
     gc.disable()  # hundreds of thousands of small tuples and lists, none of them cyclic garbage
     try:
-        b = build(costs)
-        start, end, cause = engine.run(b.g)
+        builder = build(costs)
+        start, end, cause = engine.run(builder.g)
     finally:
         if collecting:
             gc.enable()
-    _wait_for_slowest_rank(b, start, end, costs.synchrony * max(end))
+    _wait_for_slowest_rank(builder, start, end, costs.synchrony * max(end))
     step = max(end)
-    stages = [_stage_summary(b, start, end, i, step) for i in range(costs.p)]
+    stages = [_stage_summary(builder, start, end, i, step) for i in range(costs.p)]
     reference = max(range(costs.p), key=lambda i: (stages[i]["busy_s"], -i))
-    breakdown = _exposed(b, start, end, cause, reference, step)
-    path = _critical_path(b, start, end, cause)
+    breakdown = _exposed(builder, start, end, cause, reference, step)
+    path = _critical_path(builder, start, end, cause)
     return SimResult(step_time_s=step, time_breakdown_s=breakdown, breakdown_stage=reference, stages=stages,
                      critical_path=path, schedule=costs.schedule, p=costs.p, m=costs.m, v=costs.v,
-                     tasks=len(b.g), wall_s=time.perf_counter() - clock, start=start, end=end, meta=b.meta,
-                     main=b.main, side=b.side)
+                     tasks=len(builder.g), wall_s=time.perf_counter() - clock, start=start, end=end,
+                     meta=builder.meta, main=builder.main, side=builder.side)
 
 
-def _wait_for_slowest_rank(b: _Builder, start, end, wait: float) -> None:
-    """The job-wide synchronisation before the optimizer step (`b.sync`) lasts `wait`: the step's
+def _wait_for_slowest_rank(builder: _Builder, start, end, wait: float) -> None:
+    """The job-wide synchronisation before the optimizer step (`builder.sync`) lasts `wait`: the step's
     wait for its slowest rank (cost/synchrony.py). Every task after it, all built after it and none
     sharing a link with one before it, moves by as much."""
     if not wait > 0:
         return
-    stage, _, label = b.meta[b.sync]
-    b.meta[b.sync] = (stage, ((SYNC, wait),), label)
-    end[b.sync] += wait
-    for t in range(b.sync + 1, len(end)):
+    stage, _, label = builder.meta[builder.sync]
+    builder.meta[builder.sync] = (stage, ((SYNC, wait),), label)
+    end[builder.sync] += wait
+    for t in range(builder.sync + 1, len(end)):
         start[t] += wait
         end[t] += wait
 
@@ -667,11 +673,11 @@ def _kinds_of(meta, s, e, lo=-math.inf, hi=math.inf):
     return out
 
 
-def _stage_summary(b: _Builder, start, end, i: int, step: float) -> dict:
+def _stage_summary(builder: _Builder, start, end, i: int, step: float) -> dict:
     by_kind: dict = {}
     uses: dict = {}  # id of a shared segments tuple -> [segments, count, stretch of its last segment]
-    meta = b.meta
-    for t in b.main[i]:
+    meta = builder.meta
+    for t in builder.main[i]:
         segments = meta[t][1]
         entry = uses.get(id(segments))
         if entry is None:
@@ -685,26 +691,27 @@ def _stage_summary(b: _Builder, start, end, i: int, step: float) -> dict:
         by_kind[kind] = by_kind.get(kind, 0.0) + stretch
     by_kind = {kind: x for kind, x in by_kind.items() if x > 1e-12}
     busy = sum(by_kind.values())
-    side = sum(end[t] - start[t] for t in b.side[i])
+    side = sum(end[t] - start[t] for t in builder.side[i])
     return {"stage": i, "busy_s": busy, "idle_s": max(step - busy, 0.0), "busy_by_kind_s": by_kind,
             "dp_stream_busy_s": side}
 
 
-def _exposed(b: _Builder, start, end, cause, i: int, step: float) -> dict:
+def _exposed(builder: _Builder, start, end, cause, i: int, step: float) -> dict:
     """Exposed time on stage i: while its compute stream runs, the kind of what runs; while it
     waits, the kind of what it waits for, followed back along the chain of causes inside the
     gap: data-parallel transfers count as dp_comm, the tied-embedding all-reduce as pp_comm,
     and everything else (other stages' passes and sends) as the pipeline bubble."""
-    out = {k: 0.0 for k in BREAKDOWN_KEYS}
-    meta = b.meta
+    out = {costs: 0.0 for costs in BREAKDOWN_KEYS}
+    meta = builder.meta
     clock = 0.0
     side_tasks = set()
-    for stage_side in b.side:
+    for stage_side in builder.side:
         side_tasks.update(stage_side)
-    for t in b.main[i] + [None]:
+    for t in builder.main[i] + [None]:
         gap_end = step if t is None else start[t]
         if gap_end > clock + 1e-15:
-            _attribute_gap(b, start, end, cause, t if t is not None else b.end, clock, gap_end, side_tasks, out)
+            waiter = t if t is not None else builder.end
+            _attribute_gap(builder, start, end, cause, waiter, clock, gap_end, side_tasks, out)
         if t is None:
             break
         for kind, x in _kinds_of(meta[t], start[t], end[t]).items():
@@ -713,31 +720,31 @@ def _exposed(b: _Builder, start, end, cause, i: int, step: float) -> dict:
     return out
 
 
-def _attribute_gap(b, start, end, cause, waiter, lo, hi, side_tasks, out):
+def _attribute_gap(builder, start, end, cause, waiter, lo, hi, side_tasks, out):
     total = hi - lo
     known = 0.0
     x = cause[waiter]
     limit = hi
     while x >= 0 and limit > lo:
         s, e = start[x], min(end[x], limit)
-        kinds = b.meta[x][1]
+        kinds = builder.meta[x][1]
         kind = kinds[0][0] if len(kinds) == 1 else None
         if x in side_tasks or kind == DP:
             a = max(s, lo)
             if e > a:
                 out[DP] += e - a
                 known += e - a
-        elif x == b.tied or kind == SYNC:
+        elif x == builder.tied or kind == SYNC:
             a = max(s, lo)
             if e > a:
-                out[PP if x == b.tied else SYNC] += e - a
+                out[PP if x == builder.tied else SYNC] += e - a
                 known += e - a
         limit = min(limit, s)
         x = cause[x]
     out["pp_bubble"] += max(total - known, 0.0)
 
 
-def _critical_path(b: _Builder, start, end, cause) -> dict:
+def _critical_path(builder: _Builder, start, end, cause) -> dict:
     """The chain of tasks that set the step time, from the end back to 0, as runs of consecutive
     tasks on one stage (a transfer counts on its sender's stage)."""
     last = max(range(len(end)), key=lambda t: (end[t], t))
@@ -751,10 +758,10 @@ def _critical_path(b: _Builder, start, end, cause) -> dict:
     by_kind: dict = {}
     runs: list = []
     for t, upto in chain:
-        kinds = _kinds_of(b.meta[t], start[t], end[t], hi=upto)
+        kinds = _kinds_of(builder.meta[t], start[t], end[t], hi=upto)
         if not kinds:
             continue
-        stage = b.meta[t][0]
+        stage = builder.meta[t][0]
         for kind, x in kinds.items():
             by_kind[kind] = by_kind.get(kind, 0.0) + x
         if runs and runs[-1]["stage"] == stage:
