@@ -110,7 +110,7 @@ def test_tiny_gemm_sweep_and_fit(tmp_path, capsys):
 def test_overheads_suite_trains_the_calibration_model_and_fits_the_loops_time(run_cli, tmp_path):
     """The `overheads` suite for real: real training steps of the calibration model (2 ranks,
     gloo, fp32) into LEDGER-overheads.jsonl, fitted into the three framework overhead keys."""
-    from perfsim.calibrate.overheads import QUICK_RUNS, overheads_ledger
+    from perfsim.calibrate.overheads import HOST_RUNS, QUICK_RUNS, is_host_run, overheads_ledger
 
     ledger, out = tmp_path / "cal.jsonl", tmp_path / "cal.toml"
     r = run_cli("calibrate", "--device", "cpu", "--nproc", "2", "--quick", "--suites", "gemm,overheads",
@@ -119,7 +119,9 @@ def test_overheads_suite_trains_the_calibration_model_and_fits_the_loops_time(ru
     assert r.code == 0, r.err
     steps, problems = read_ledger(overheads_ledger(str(ledger)), step_problem)
     runs = [x for x in steps if not x["measured"].get("alone")]
-    assert problems == [] and len(runs) == len(QUICK_RUNS) and len(steps) == len(QUICK_RUNS) + 1
+    host = [x for x in steps if is_host_run(x)]
+    assert problems == [] and len(runs) == len(QUICK_RUNS) and len(steps) == len(QUICK_RUNS) + 1 + len(HOST_RUNS)
+    assert len(host) == len(HOST_RUNS) and all(x["measured"]["alone"] and x["dtype"] == "fp32" for x in host)
     assert {(load_model(x["model"]).layers, Plan(**x["plan"]).microbatches) for x in runs} == set(QUICK_RUNS)
     assert "framework overheads (real steps of the calibration model)" in r.out
     system = load_system(str(out))
@@ -127,6 +129,7 @@ def test_overheads_suite_trains_the_calibration_model_and_fits_the_loops_time(ru
         kind, source = system.provenance[f"framework.{key}"]
         assert kind == "calibrated" and "cal-overheads.jsonl" in source
         assert getattr(system.framework, key) >= 0
+    assert "host model" in system.provenance["framework.layer_overhead_s"][1]
     # the run alone on each rank: the ranks' spread, framework.rank_jitter
     kind, source = system.provenance["framework.rank_jitter"]
     assert kind == "calibrated" and "alone on each of 2 ranks" in source and 0 <= system.framework.rank_jitter < 1

@@ -99,7 +99,7 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     the step time (perfsim/calibrate/priority.py), each suite with its shares in a comment; the
     overheads suite (issue 15) comes after the kernel suites its provisional fit needs."""
     from perfsim.calibrate import SUITES
-    from perfsim.calibrate.overheads import OVERHEAD_RUNS, VARIANT_RUNS
+    from perfsim.calibrate.overheads import HOST_RUNS, OVERHEAD_RUNS, VARIANT_RUNS
     from perfsim.calibrate.priority import builtin_case_priorities
     from perfsim.spec.plan import Plan
 
@@ -123,7 +123,8 @@ def test_suites_run_in_sensitivity_order_with_their_shares(emitted):
     final_fit = lines.index("perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-calibrated.toml")
     assert last_suite < jobs < launch < final_fit
     # the variants held out too, and the held-out run's replica alone on every rank (framework.rank_jitter)
-    assert len(_overhead_runs(text)) == len(OVERHEAD_RUNS) + len(VARIANT_RUNS) + 1
+    # and the host model's runs alone on every rank (framework.layer_overhead_s)
+    assert len(_overhead_runs(text)) == len(OVERHEAD_RUNS) + len(VARIANT_RUNS) + 1 + len(HOST_RUNS)
     assert _overhead_runs(text)[-1][2] == "alone" and Plan(**_overhead_runs(text)[-1][1]).devices == 1
     assert any("--ledger smng-p2-overheads.jsonl" in line for line in lines)
     assert "perfsim calibrate --fit smng-p2.jsonl --system smng-p2 --device xpu --out smng-p2-provisional.toml" in lines
@@ -181,7 +182,7 @@ def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tm
     after the provisional fit, each recorded in the steps ledger under the key perfsim
     calibrate's local runs use (validate.timing), so the fit finds them. A run that fails its
     launch is left out and named, the others are measured, and the job goes on to the fit."""
-    from perfsim.calibrate.overheads import VARIANT_RUNS
+    from perfsim.calibrate.overheads import HOST_RUNS, VARIANT_RUNS
     from perfsim.spec.plan import Plan
     from validate import timing
 
@@ -193,19 +194,22 @@ def test_overhead_runs_take_one_launch_and_key_as_the_local_campaign(run_cli, tm
     result, launches = _submit(job, tmp_path, dict(env, FAKE_FAIL_PLAN="layers=2"))
     assert result.returncode == 0, result.stderr
     # every run of the two-layer model fails its launch (the held-out run, then each variant of it and
-    # the run alone on every rank, all layers=2): each failure ends a launch and the next goes on with the rest
+    # the run alone on every rank, all layers=2): each failure ends a launch and the next goes on with the
+    # rest, the host model's runs last
     steps = [line for line in launches if "validate.steps" in line]
-    assert len(steps) == 2 + len(VARIANT_RUNS) and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
+    assert len(steps) == 3 + len(VARIANT_RUNS) and "--jobs cal-overheads-results/launch-0.jobs.json" in steps[0]
     assert "of model layers=2,hidden=256" in result.stderr and "is left out: launch-0 ended (exit status 1)" in result.stderr
     assert "fitting without" in result.stderr
     assert launches[-1].startswith("perfsim calibrate --fit cal.jsonl")  # the fit, after the runs
     records = [json.loads(line) for line in (tmp_path / "cal-overheads.jsonl").read_text().splitlines()]
     runs = _overhead_runs(job.read_text())
-    assert len(records) == 4 and [r["model"] for r in records] == [model for model, *_ in runs if "layers=2" not in model]
-    for r in records:
-        assert r["key"] == timing.point_key(r["model"], Plan(**r["plan"]), "bf16", 3, 1, "xpu", 16)
+    assert len(records) == 4 + len(HOST_RUNS)
+    assert [r["model"] for r in records] == [model for model, *_ in runs if "layers=2" not in model]
+    for r, (*_, how) in zip(records, [run for run in runs if "layers=2" not in run[0]]):
+        alone = how == "alone"
+        assert r["key"] == timing.point_key(r["model"], Plan(**r["plan"]), "bf16", 3, 1, "xpu", 16, alone=alone)
     result, launches = _submit(job, tmp_path, env)  # again, the failed runs' files still there: nothing launched
-    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 2 + len(VARIANT_RUNS)
+    assert result.returncode == 0 and len([line for line in launches if "validate.steps" in line]) == 3 + len(VARIANT_RUNS)
 
 
 def test_script_workers_parse_as_perfsim_arguments(emitted):

@@ -140,3 +140,47 @@ def test_the_calibration_model_is_not_the_validation_model_and_its_runs_are_vali
 def test_the_overheads_ledger_sits_beside_the_calibration_ledger():
     assert oh.overheads_ledger("runs/calibration-cpu.jsonl") == "runs/calibration-cpu-overheads.jsonl"
     assert oh.overheads_ledger("ledger") == "ledger-overheads.jsonl"
+
+
+def _host_records(system, truth=TRUTH, dtype="bf16", world=2):
+    """The host model's runs alone on `world` ranks, their times from `system` with `truth`'s overheads."""
+    machine = _with(system, **{k.split(".")[1]: v for k, v in truth.items()})
+    return [{"suite": "step", "model": model, "plan": plan.as_dict(), "dtype": dtype,
+             "measured": {"step_time_s": predict(model, oh.as_trained(machine, dtype), plan, dtype).step_time_s,
+                          "alone": True, "world": world}}
+            for model, plans in oh.host_cases() for plan in plans]
+
+
+def test_the_host_models_runs_give_the_layer_overhead_and_the_step_runs_the_rest():
+    """The layer's host time from the host model's runs alone (their difference, less the kernels),
+    the step and micro-batch terms from the calibration model's runs beside it: all three back
+    where the step runs' kernels are priced 10% too slow (a kernel error that the three-term fit
+    takes into its layer term, as on CPU ranks)."""
+    system = _with(load_system("cpu-calibrated"), rank_jitter=0.0)
+    exact = oh.fit_framework_overheads(_records(system) + _host_records(system), system, "steps.jsonl")[0]
+    for key, value in TRUTH.items():
+        assert exact[key].value == pytest.approx(value, rel=1e-6)
+    assert "host model" in exact["framework.layer_overhead_s"].source
+    slow = [dict(r, measured={**r["measured"], "step_time_s": 1.1 * r["measured"]["step_time_s"]})
+            for r in _records(system)]
+    without_host = oh.fit_framework_overheads(slow, system, "s")[0]
+    with_host = oh.fit_framework_overheads(slow + _host_records(system), system, "s")[0]
+    assert with_host["framework.layer_overhead_s"].value == pytest.approx(TRUTH["framework.layer_overhead_s"], rel=1e-6)
+    assert abs(without_host["framework.layer_overhead_s"].value / TRUTH["framework.layer_overhead_s"] - 1) > 0.2
+
+
+def test_the_host_model_is_small_its_runs_stay_out_of_the_rank_jitter_and_run_in_the_training_dtype():
+    from validate.timing import DEFAULT_MODEL
+
+    system = load_system("cpu-calibrated")
+    assert all(oh.is_host_run(r) for r in _host_records(system))
+    assert not any(oh.is_host_run(r) for r in _records(system))
+    validation, calibration = load_model(DEFAULT_MODEL), load_model(oh.CALIBRATION_MODEL.format(layers=1))
+    for spec, plans in oh.host_cases():
+        host = load_model(spec)
+        assert host.hidden < calibration.hidden and host.seq < calibration.seq
+        assert (host.hidden, host.seq) != (validation.hidden, validation.seq)
+        assert all(not plan_problems(plan, host, 1) for plan in plans)
+    # the host runs alone on every rank spread too, but are not the rank-jitter run
+    assert oh.fit_rank_jitter(_host_records(system), "s") == ({}, [])
+    assert oh.overheads_dtype(("fp32", "bf16")) == "bf16" and oh.overheads_dtype(("fp32",)) == "fp32"

@@ -72,6 +72,16 @@ VARIANT_RUNS = ({"attention": "flash"}, {"recompute": "full"})
 OVERHEAD_KEYS = ("framework.step_overhead_s", "framework.microbatch_overhead_s", "framework.layer_overhead_s")
 
 
+TRAINING_DTYPE = "bf16"  # what validation and training steps run in (perfsim validate's default)
+
+
+def overheads_dtype(dtypes) -> str:
+    """The dtype of the overhead runs among the calibration's `dtypes`: the training dtype where it
+    is one of them (a CPU's host time per op is its dtype's: the host model's layer took 0.42 ms in
+    fp32 and 0.74 ms in bf16 on the project VM), else the first."""
+    return TRAINING_DTYPE if TRAINING_DTYPE in dtypes else next(iter(dtypes), TRAINING_DTYPE)
+
+
 def overhead_cases(nproc: int, quick: bool = False) -> list:
     """[(model spec, [Plan, ...]), ...] of the overhead runs, grouped by model (one launch list
     each): data parallelism over the `nproc` ranks, micro-batches of one sequence."""
@@ -127,6 +137,30 @@ def alone_case(nproc: int) -> tuple | None:
     return CALIBRATION_MODEL.format(layers=layers), [Plan(mbs=1, gbs=m)]
 
 
+# The host model: the calibration model's layer at its smallest shapes, whose kernels are a small part
+# of its time on any device, a CPU core included. On a CPU core the calibration model's layers are
+# mostly kernels (8 ms of a layer's 9 in fp32 on the project VM), so a few percent of kernel error
+# outweighs their host time and the step runs' layer term took it (0 to 5 ms over the transfer
+# ledgers, 0 where a direct timing measured 0.85). Its runs, alone on every rank (no collective to
+# wait at), at HOST_RUNS (layers, micro-batches), give framework.layer_overhead_s (fit_layer_overhead).
+HOST_MODEL = "layers={layers},hidden=32,heads=2,seq=16,vocab=256,tied_embeddings=false,dropout=false"
+HOST_RUNS = ((1, 2), (3, 2))
+HOST_STEPS, QUICK_HOST_STEPS = 10, 3
+
+
+def host_cases() -> list:
+    """[(model spec, [Plan]), ...] of the host model's runs, each a one-device plan run alone on every
+    rank (validate.timing.run_plans(alone=True))."""
+    from perfsim.spec.plan import Plan
+
+    return [(HOST_MODEL.format(layers=layers), [Plan(mbs=1, gbs=m)]) for layers, m in HOST_RUNS]
+
+
+def is_host_run(record) -> bool:
+    """Whether a steps-ledger record is one of the host model's runs."""
+    return record.get("model") in {HOST_MODEL.format(layers=layers) for layers, _ in HOST_RUNS}
+
+
 def fit_rank_jitter(step_records: list, ledger: str) -> tuple:
     """(values, notes): framework.rank_jitter from the runs alone on every rank, the sigma whose priced
     wait sigma x E[max of n normals] is the wait they measured (rank_spread's `wait`, pooled over their
@@ -136,6 +170,7 @@ def fit_rank_jitter(step_records: list, ledger: str) -> tuple:
     what follows their last collective: a lower bound."""
     from perfsim.cost.synchrony import expected_max_normal
 
+    step_records = [r for r in step_records if not is_host_run(r)]  # fit_layer_overhead's
     if not step_records:
         return {}, []
     alone = [r for r in step_records if r["measured"].get("alone")]
@@ -233,6 +268,35 @@ def at_profile_speed(measured: dict, breakdown: dict) -> float:
     return float(np.median(chosen))
 
 
+def fit_layer_overhead(host_records: list, system) -> tuple | None:
+    """(layer_overhead_s, note) from the host model's runs (HOST_RUNS), or None without two of
+    them: each run's step at the profile's speed less its kernels where the host runs them
+    (1 - host_overlap of P0, the prediction with the three overheads at 0), over the ranks' wait
+    (the runs' step is their slowest rank's, docs/equations.md 9.5); the layer's time is the
+    difference of the two runs over their difference in layers x micro-batches, floored at 0."""
+    from perfsim.cost.synchrony import expected_max_normal, rank_jitter
+    from perfsim.predict import predict
+
+    zero = dataclasses.replace(system, framework=dataclasses.replace(
+        system.framework, step_overhead_s=0.0, microbatch_overhead_s=0.0, layer_overhead_s=0.0))
+    runs = {}
+    for r in host_records:
+        model, plan, dtype, layers, m, kind = _run(r)
+        trained = as_trained(zero, dtype, kind)
+        p0 = predict(model, trained, plan, dtype)
+        t = at_profile_speed(r["measured"], p0.time_breakdown_s)
+        wait = 1.0 + rank_jitter(system) * expected_max_normal(int(r["measured"].get("world", 1)))
+        runs[layers * m] = (t / wait - (1 - trained.framework.host_overlap) * p0.step_time_s, t, p0.step_time_s)
+    if len(runs) < 2:
+        return None
+    (few, (low, t_low, p_low)), (many, (high, t_high, p_high)) = sorted(runs.items())[0], sorted(runs.items())[-1]
+    value = max(0.0, (high - low) / (many - few))
+    note = (f"layer overhead {value * 1e3:.3g} ms a layer and micro-batch from the host model's runs alone "
+            f"({few} and {many} layers x micro-batches: {t_low * 1e3:.3g} and {t_high * 1e3:.3g} ms measured, "
+            f"{p_low * 1e3:.3g} and {p_high * 1e3:.3g} ms of kernels, collectives and optimizer predicted)")
+    return value, note
+
+
 def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     """(values, quality rows, notes): step_overhead_s, microbatch_overhead_s and layer_overhead_s
     from the overhead runs' step records (module docstring), against `system`, the profile
@@ -241,7 +305,8 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     from perfsim.predict import predict
     from scipy.optimize import nnls
 
-    step_records = [r for r in step_records if not r["measured"].get("alone")]  # fit_rank_jitter's
+    host = fit_layer_overhead([r for r in step_records if is_host_run(r)], system)
+    step_records = [r for r in step_records if not r["measured"].get("alone")]  # fit_rank_jitter's, the host's
     if not step_records:
         return {}, [], []
     zero = dataclasses.replace(system, framework=dataclasses.replace(
@@ -268,7 +333,12 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
     # construction, run beside it, and the step is the host's time (cost/host.py).
     hidden = max(overlapped)
     gap = np.array([t - (1 - hidden) * p0 for _, _, t, p0, *_ in fitted])
-    coefficients, _ = nnls(design(fitted), gap)
+    if host is None:
+        coefficients, _ = nnls(design(fitted), gap)
+    else:  # the layer's time measured by the host model's runs: the step and micro-batch terms fitted beside it
+        a = design(fitted)
+        loop, _ = nnls(a[:, :2], gap - a[:, 2] * host[0])
+        coefficients = np.array([loop[0], loop[1], host[0]])
 
     def predicted(xs):  # each run through the whole model with the fitted overheads
         out = []
@@ -286,8 +356,14 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
              f"data parallelism over {int(_run(step_records[0])[1].dp)} ranks) in ledger {ledger}: measured step less the "
              f"calibrated profile's prediction without overheads{' (kernels beside the host: not subtracted)' if hidden else ''}, "
              f"non-negative least squares over "
-             f"[1, micro-batches, micro-batches x layers] (perfsim.calibrate.overheads)")
+             f"[1, micro-batches{', micro-batches x layers' if host is None else ''}] (perfsim.calibrate.overheads)")
     values = {key: Fitted(float(v), where) for key, v in zip(OVERHEAD_KEYS, coefficients)}
+    if host is not None:
+        values["framework.layer_overhead_s"] = Fitted(float(coefficients[2]), (
+            f"the host model's runs alone on every rank ({HOST_MODEL.format(layers='L')}; (layers, micro-batches) "
+            f"{' and '.join(map(str, HOST_RUNS))}) in ledger {ledger}: the difference of their steps less the "
+            f"calibrated profile's prediction without overheads, over their difference in layers x micro-batches "
+            f"(perfsim.calibrate.overheads.fit_layer_overhead); the step and micro-batch overheads fitted beside it"))
     quality = [Quality("framework overheads (real steps of the calibration model)", mape(predicted(fitted), measured(fitted)),
                        len(fitted), mape(predicted(held), measured(held)) if held else float("nan"), len(held),
                        note=f"kernels, collectives and optimizer alone: {100 * kernels_alone:.1f}% on all runs")]
@@ -298,7 +374,8 @@ def fit_framework_overheads(step_records: list, system, ledger: str) -> tuple:
                                mape(predicted(variants), measured(variants)), len(variants),
                                note="held out: perfsim.cost.host.HARNESS_LAYER_OPS against the machine"))
     step, mb, layer = coefficients
-    notes = [f"framework overheads from {len(rows)} step runs of the calibration model: {step * 1e3:.3g} ms a step, "
-             f"{mb * 1e3:.3g} ms a micro-batch, {layer * 1e3:.3g} ms a layer and micro-batch "
-             f"(the profile's kernels alone predicted {100 * kernels_alone:.1f}% off)"]
+    notes = [host[1]] if host is not None else []
+    notes += [f"framework overheads from {len(rows)} step runs of the calibration model: {step * 1e3:.3g} ms a step, "
+              f"{mb * 1e3:.3g} ms a micro-batch, {layer * 1e3:.3g} ms a layer and micro-batch "
+              f"(the profile's kernels alone predicted {100 * kernels_alone:.1f}% off)"]
     return values, quality, notes

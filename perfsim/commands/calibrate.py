@@ -300,11 +300,11 @@ def _run_overheads(args, options, nproc: int, system: str) -> None:
     import tempfile
 
     from perfsim.calibrate import fit_ledger
-    from perfsim.calibrate.overheads import (ALONE_STEPS, QUICK_ALONE_STEPS, alone_case, overhead_cases,
-                                             overheads_ledger)
+    from perfsim.calibrate.overheads import (ALONE_STEPS, HOST_STEPS, QUICK_ALONE_STEPS, QUICK_HOST_STEPS, alone_case,
+                                             host_cases, overhead_cases, overheads_dtype, overheads_ledger)
     timing = harness("timing")
 
-    dtype = next((d for d in options.dtypes if d in timing.DTYPE_BYTES), "bf16")
+    dtype = overheads_dtype(options.dtypes)
     steps_ledger = overheads_ledger(options.ledger)
     print(f"perfsim calibrate: framework overheads from real steps of the calibration model ({dtype}); ledger "
           f"{steps_ledger}", file=sys.stderr, flush=True)
@@ -319,6 +319,10 @@ def _run_overheads(args, options, nproc: int, system: str) -> None:
         if alone is not None:
             timing.run_plans(alone[1], alone[0], provisional, args.device, nproc, dtype, warmup=1,
                              steps=QUICK_ALONE_STEPS if options.quick else ALONE_STEPS, ledger_path=steps_ledger,
+                             threads=args.threads, alone=True)
+        for model, plans in host_cases():  # the layer's host time (framework.layer_overhead_s)
+            timing.run_plans(plans, model, provisional, args.device, nproc, dtype, warmup=1,
+                             steps=QUICK_HOST_STEPS if options.quick else HOST_STEPS, ledger_path=steps_ledger,
                              threads=args.threads, alone=True)
 
 
@@ -383,14 +387,15 @@ def _suite_launches(options, system: str) -> tuple:
 
 def _overhead_runs(options, system: str, world: int, comment: str):
     """The overheads suite of the Slurm job (OverheadRuns), after the suites its provisional fit needs."""
-    from perfsim.calibrate.overheads import alone_case, overhead_cases, overheads_ledger
+    from perfsim.calibrate.overheads import alone_case, host_cases, overhead_cases, overheads_dtype, overheads_ledger
     OverheadRuns = harness("slurm").OverheadRuns
 
     provisional = os.path.splitext(options.ledger)[0] + "-provisional.toml"
-    dtype = next((d for d in options.dtypes if d in DTYPES), "bf16")
+    dtype = overheads_dtype(options.dtypes)
     runs = tuple((model, plan.as_dict()) for model, plans in overhead_cases(world, options.quick) for plan in plans)
     alone = alone_case(world)  # the ranks' spread: the run alone on every rank (framework.rank_jitter)
     runs += tuple((alone[0], plan.as_dict(), "alone") for plan in alone[1]) if alone else ()
+    runs += tuple((model, plan.as_dict(), "alone") for model, plans in host_cases() for plan in plans)  # layer_overhead_s
     fit = ("calibrate", "--fit", options.ledger, "--system", system, "--device", "xpu", "--out", provisional)
     return OverheadRuns(comment=comment + "; after the suites above, whose fit times its steps", runs=runs,
                         provisional_fit_argv=fit, provisional=provisional, ledger=overheads_ledger(options.ledger),
