@@ -170,7 +170,8 @@ def test_the_underscore_check_sees_both_forms(tmp_path):
     user.write_text("import perfsim.search\nfrom helper import _x\nimport helper as h\n"
                     "print(h._x, perfsim.search._hidden, h.__name__)\n")
     known = {**MODULES, "helper": tmp_path / "helper.py", "user": user}
-    assert _underscore_uses(user, "user", known, tmp_path) == ["user.py:2 imports _x from helper", "user.py:4 uses helper._x", "user.py:4 uses perfsim.search._hidden"]
+    assert _underscore_uses(user, "user", known, tmp_path) == [
+        "user.py:2 imports _x from helper", "user.py:4 uses helper._x", "user.py:4 uses perfsim.search._hidden"]
 
 
 def test_no_file_takes_another_modules_underscore_name():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from perfsim.errors import PerfsimError
-from perfsim.spec.plan import plan_summary
 
 
 def register(sub) -> None:
@@ -99,6 +98,8 @@ def run(args) -> None:
 
 
 def _table(result, model, system, devices, args) -> str:
+    from perfsim.spec.plan import plan_summary
+
     lines = [f"{model.name} on {devices} x {system.device.name} ({system.name}), global batch {args.gbs}",
              f"{result.candidates:,} candidates, {result.evaluated:,} valid plans evaluated in {result.seconds:.2f} s "
              f"({result.evaluated / max(result.seconds, 1e-9):,.0f} plans/s), {result.feasible:,} fit in memory",
