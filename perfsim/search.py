@@ -235,14 +235,14 @@ def _pipeline_splits(model: ModelSpec, pp: int, vpp: int, fixes: dict) -> list[t
 
 
 def _expert_layouts(model: ModelSpec, tp: int, cp: int, dp: int, fixes: dict) -> list[tuple]:
-    """(ep, etp, allgather, ep_overlap) to try beside a tp x cp x dp stage of a mixture of experts
-    (Megatron-Core's parallel folding): etp 1 or tp, every ep dividing the experts and the stage's
-    tp x cp x dp / etp ranks, both dispatchers, and the all-to-alls overlapped or not (alltoall,
-    ep > 1); a dense model's one (1, tp, 0, 0)."""
+    """(ep, etp, allgather, flex, ep_overlap) to try beside a tp x cp x dp stage of a mixture of
+    experts (Megatron-Core's parallel folding): etp 1 or tp, every ep dividing the experts and the
+    stage's tp x cp x dp / etp ranks, every dispatcher (flex where etp x ep > 1), and the all-to-alls
+    overlapped or not (alltoall and flex, ep > 1); a dense model's one (1, tp, 0, 0, 0)."""
     if not model.moe:
         if ("ep" in fixes and 1 not in fixes["ep"]) or fixes.get("ep_overlap") == {True}:
             raise PerfsimError(f"--fix ep and ep_overlap split a mixture of experts; {model.name} is dense (no experts)")
-        return [(1, tp, 0, 0)]
+        return [(1, tp, 0, 0, 0)]
     out = []
     ranks = tp * cp * dp
     for etp in allowed_values(fixes, "etp", sorted({1, tp})):
@@ -250,9 +250,11 @@ def _expert_layouts(model: ModelSpec, tp: int, cp: int, dp: int, fixes: dict) ->
             if model.experts % ep or model.expert_ffn % etp:
                 continue
             for dispatcher in allowed_values(fixes, "moe_dispatcher", MOE_DISPATCHERS):
-                overlaps = (False, True) if ep > 1 and dispatcher == "alltoall" else (False,)
+                if dispatcher == "flex" and etp * ep < 2:  # DeepEP needs a group of two or more
+                    continue
+                overlaps = (False, True) if ep > 1 and dispatcher != "allgather" else (False,)
                 for overlap in allowed_values(fixes, "ep_overlap", overlaps):
-                    out.append((ep, etp, int(dispatcher == "allgather"), int(overlap)))
+                    out.append((ep, etp, int(dispatcher == "allgather"), int(dispatcher == "flex"), int(overlap)))
     return out
 
 
@@ -296,7 +298,7 @@ def candidates(model: ModelSpec, devices: int, gbs: int, fixes: dict):
         table = np.repeat(head, len(inner), axis=0)
         tail = np.tile(inner, (len(head), 1))
         cols = dict(zip(("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs", "cp",
-                         "first_layers", "last_layers", "ep", "etp", "allgather", "ep_overlap"), table.T))
+                         "first_layers", "last_layers", "ep", "etp", "allgather", "flex", "ep_overlap"), table.T))
         cols.update(zero=tail[:, 0], recompute=tail[:, 1], flash=tail[:, 2], gbs=np.full(len(table), float(gbs)),
                     dp_overlap=overlap["dp_overlap"] * (cols["dp"] * cols["cp"] > 1),
                     tp_overlap=overlap["tp_overlap"] * (cols["sp"] == 1) * (mode == "1d"))
@@ -458,7 +460,8 @@ def _expert_fields(cols: dict, i: int) -> dict:
         else cols.get(name, default)  # noqa: E731
     tp, ep, etp = at("tp", 1), at("ep", 1), at("etp", 0)
     return {"ep": int(ep), "etp": 0 if etp in (0, tp) else int(etp),
-            "moe_dispatcher": MOE_DISPATCHERS[int(at("allgather", 0))], "ep_overlap": bool(at("ep_overlap", 0))}
+            "moe_dispatcher": MOE_DISPATCHERS[2 if at("flex", 0) else int(at("allgather", 0))],
+            "ep_overlap": bool(at("ep_overlap", 0))}
 
 
 def to_columns(mode: str, order: str, cols: dict) -> Columns:
@@ -468,7 +471,8 @@ def to_columns(mode: str, order: str, cols: dict) -> Columns:
                    tp_depth=cols["tp_depth"], regather=cols["regather"], flash=cols["flash"],
                    dp_overlap=cols["dp_overlap"], tp_overlap=cols["tp_overlap"], cp=cols["cp"],
                    first_layers=cols["first_layers"], last_layers=cols["last_layers"], ep=cols["ep"], etp=cols["etp"],
-                   allgather=cols["allgather"], ep_overlap=cols["ep_overlap"], tp_mode=mode, order=order)
+                   allgather=cols["allgather"], flex=cols.get("flex", 0), ep_overlap=cols["ep_overlap"], tp_mode=mode,
+                   order=order)
 
 
 def _score(rank: str, r: dict, capacity: float):

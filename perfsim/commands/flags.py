@@ -145,9 +145,10 @@ def add_plan_flags(p: argparse.ArgumentParser, left_out: str = "the built-in cas
                    "(default 1; etp x ep must divide tp x cp x dp: Megatron-Core's parallel folding)")
     g.add_argument("--etp", type=whole_number(0, LARGEST_NUMBER),
                    help="tensor parallelism inside each expert (default, or 0: --tp, as Megatron-Core)")
-    g.add_argument("--moe-dispatcher", dest="moe_dispatcher", choices=("alltoall", "allgather"),
-                   help="how tokens reach their experts: all-to-all over the EP group, or all-gather and "
-                        "reduce-scatter over ETP x EP (default alltoall)")
+    g.add_argument("--moe-dispatcher", dest="moe_dispatcher", choices=("alltoall", "allgather", "flex"),
+                   help="how tokens reach their experts: all-to-all over the EP group, all-gather and "
+                        "reduce-scatter over ETP x EP, or flex (Megatron-Core's DeepEP backend: one copy of a "
+                        "token per node over the network, forwarded over NVLink) (default alltoall)")
     g.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap one micro-batch's all-to-alls with another's compute (Megatron-Core's "
                         "--overlap-moe-expert-parallel-comm; default off)")

@@ -45,6 +45,7 @@ class Columns:
     ep: object = 1  # expert parallelism (MoE models; cost/experts.py)
     etp: object = 0  # tensor parallelism inside the experts; 0: tp
     allgather: object = 0  # 1: the all-gather token dispatcher, 0: the all-to-all one (plan.moe_dispatcher)
+    flex: object = 0  # 1: the flex dispatcher (DeepEP; allgather 0): a token's copy once a node (cost/experts.py)
     ep_overlap: object = 0  # 1: all-to-alls beside another micro-batch's compute (plan.ep_overlap)
     layout: object = None  # a PipelineLayout (spec/layout.py) placing every layer, one per batch; None: the counts above
     element: float = 2.0  # bytes of a weight and an activation element: 2 (bf16, fp16, fp8's bf16), 4 in fp32 (at_dtype)
@@ -112,7 +113,8 @@ def columns_of(plan: Plan) -> Columns:
                    schedule=SCHEDULES.index(plan.schedule), tp_depth=plan.tp_depth, regather=int(plan.tp_regather),
                    flash=int(plan.attention == "flash"), dp_overlap=int(plan.dp_overlap), tp_overlap=int(plan.tp_overlap),
                    cp=float(plan.cp), tp_mode=plan.tp_mode, ep=float(plan.ep), etp=float(plan.etp),
-                   allgather=int(plan.moe_dispatcher == "allgather"), ep_overlap=int(plan.ep_overlap),
+                   allgather=int(plan.moe_dispatcher == "allgather"), flex=int(plan.moe_dispatcher == "flex"),
+                   ep_overlap=int(plan.ep_overlap),
                    first_layers=float(plan.first_stage_layers), last_layers=float(plan.last_stage_layers),
                    order=plan.order, tp_axes=plan.tp_axes,
                    layout=parse_layout(plan.pp_layout, plan.pp) if plan.pp_layout else None)
@@ -126,7 +128,7 @@ def columns_of_many(plans: list[Plan]) -> Columns:
               for name in ("tp", "pp", "dp", "vpp", "mbs", "gbs", "sp", "zero", "recompute", "schedule",
                                 "tp_depth", "regather", "flash", "dp_overlap", "tp_overlap", "cp",
                                 "first_layers", "last_layers", "ep", "etp", "allgather",
-                                "ep_overlap")}
+                                "flex", "ep_overlap")}
     return Columns(**arrays, tp_mode=first.tp_mode, order=first.order, tp_axes=first.tp_axes, layout=one[0].layout)
 
 

@@ -35,10 +35,16 @@ profile's moe.imbalance, max over mean token copies per EP rank) times the mean,
 all-to-all and in its grouped GEMMs; a forced-balanced benchmark has 1. A capacity factor below 1
 drops the copies beyond it (counts.routed_tokens).
 
-FP8: the all-to-all carries bf16 tokens: Megatron-Core's all-to-all dispatcher sends the
-activations in the layer's dtype and Transformer Engine casts them to FP8 inside GroupedLinear;
-FP8 dispatch exists only in the flex dispatcher with DeepEP (--moe-token-dispatcher-type flex),
-which perfsim does not model. Nothing here overlaps the dispatch with compute: Megatron-Core's
+- flex dispatcher (MoEFlexTokenDispatcher with its DeepEP backend, _DeepepManager and
+  fused_a2a.fused_dispatch): one fused dispatch over the ETP x EP group that sends a token once to
+  each node holding one of its experts (over the network) and forwards it there over NVLink once to
+  each rank holding one (DeepEP's internode kernels); the combine reduces the same way back. With
+  node-limited routing (the model's routing_nodes, DeepSeek-V3's 4) a token reaches fewer nodes;
+  under the all-to-all dispatcher, which sends a copy per routed expert, the limit moves no byte
+  (flex_spread; docs/equations.md 12.3).
+
+FP8: every dispatcher carries bf16 tokens: Megatron-Core sends the activations in the layer's dtype
+(DeepEP's fused_dispatch too) and Transformer Engine casts them to FP8 inside GroupedLinear. Nothing here overlaps the dispatch with compute: Megatron-Core's
 default does not (its overlap of one micro-batch's all-to-all with another's compute,
 --overlap-moe-expert-parallel-comm / the "1F1B A2A overlap", and DeepSeek's DualPipe are opt-in and
 out of scope).
@@ -181,6 +187,11 @@ def moe_memory_ops(model: ModelSpec, c: Columns, imbalance=1.0, element=BF16) ->
     arrived = np.where(alltoall, t, gathered)  # tokens a rank permutes from
     permuted = np.where(alltoall, sent, computed)  # copies it writes
     sort = alltoall * np.where((c.ep > 1) & (local_experts(model, c) > 1), 1, 0)
+    if np.any(c.flex):  # flex: the tokens DeepEP delivered (one a rank) permuted to the copies, no sort
+        flex = np.asarray(c.flex) > 0
+        arrived = np.where(flex, flex_received(model, c, imbalance), arrived)
+        permuted = np.where(flex, computed, permuted)
+        sort = np.where(flex, 0, sort)
     f = model.expert_ffn / c.expert_tp
     activation = (3 * e if model.gated_mlp else 2 * e) * computed * f
     return [
@@ -228,7 +239,79 @@ def dispatch_times(system, comm, model: ModelSpec, c: Columns, imbalance=1.0, el
     group = etp * c.ep
     gathered = e * h * local_tokens(model, c) * group
     allgather = comm.all_gather(gathered, group, strides["etp_ep"]) + comm.reduce_scatter(gathered, group, strides["etp_ep"])
+    if np.any(c.flex):  # flex (DeepEP): its dispatch and its combine, a token's bytes once each
+        tokens = e * h * local_tokens(model, c) * imbalance  # flex_spread counts the kept copies
+        alltoall = np.where(np.asarray(c.flex) > 0, 2 * flex_time(system, tokens, flex_spread(system, model, c)), alltoall)
     return np.where(np.asarray(c.allgather) > 0, allgather, alltoall)
+
+
+# --- node-limited routing and the flex dispatcher (docs/equations.md 12.3) ---
+def expected_bins_hit(pool, per_bin, k: int):
+    """Expected distinct bins k draws without replacement from `pool` items, in bins of `per_bin`
+    items each, land in: (pool / per_bin) (1 - C(pool - per_bin, k) / C(pool, k)), a bin missed
+    by all k draws with the probability prod_i (pool - per_bin - i) / (pool - i), i < k (0 once
+    the items outside the bin run out). Numbers or arrays; pool >= k."""
+    pool, per_bin = np.asarray(pool, dtype=float), np.asarray(per_bin, dtype=float)
+    missed = 1.0
+    for i in range(int(k)):
+        missed = missed * np.maximum(pool - per_bin - i, 0.0) / (pool - i)
+    return pool / per_bin * (1 - missed)
+
+
+def _kept(model: ModelSpec):
+    """The share of the routed copies a capacity factor keeps (1 dropless; counts.routed_tokens)."""
+    return counts.routed_tokens(model, 1.0) / model.topk
+
+
+def flex_spread(system, model: ModelSpec, c: Columns) -> dict:
+    """Where one token's copies go under the flex dispatcher (DeepEP) with uniform routing over
+    the experts a token may reach, per token a rank dispatches: "network", the copies it sends
+    to other nodes (one a node holding any of its experts); "nvlink", the copies a rank forwards
+    inside a node (one to each other rank holding any: etp ranks an expert); "ranks", the
+    expert-parallel ranks it reaches (each receives it once); "nodes", the nodes of the ETP x EP
+    group. The experts lie on the group's nodes in order, experts x members in a node / group a
+    node; node-limited routing (routing_nodes) draws the topk from the experts of routing_nodes
+    of the nodes, chosen uniformly (the router's groups laid on the nodes, as Megatron-Core's
+    node-limited routing sets them), at least the nodes topk experts need; a capacity factor
+    scales the copies by its kept share."""
+    etp, E, K = c.expert_tp, model.experts, model.topk
+    group = etp * c.ep
+    stride = np.maximum(group_strides(c)["etp_ep"], 1.0)
+    members = np.minimum(np.maximum(np.floor(system.node.devices_per_node / stride), 1.0), group)  # in one node
+    per_node = np.maximum(E * members / group, E / c.ep)  # experts a node holds (an EP rank's at least)
+    nodes = E / per_node
+    reach = model.routing_nodes or nodes
+    reach = np.minimum(np.maximum(reach, np.ceil(K / per_node)), nodes)
+    pool = reach * per_node
+    kept = _kept(model)
+    ranks = expected_bins_hit(pool, E / c.ep, K)
+    return {"network": kept * expected_bins_hit(pool, per_node, K) * (nodes - 1) / nodes,
+            "nvlink": kept * etp * ranks * (members - 1) / members, "ranks": kept * ranks, "nodes": nodes}
+
+
+def flex_time(system, nbytes, spread: dict):
+    """Seconds of one flex dispatch (or combine) in which each rank sends `nbytes` of tokens, one
+    copy each (docs/equations.md 12.3): its copies to other nodes over its share of the node's
+    NICs and the forwarded copies over NVLink at once (DeepEP pipelines the two), the slower of
+    the two, plus one link latency (the network's across nodes). The link classes of the
+    all-to-all line (topology.all_to_all_line), without the all_to_all operation's fitted
+    factors: they were fitted to NCCL's all-to-all, not to DeepEP's kernels."""
+    node, net, eff = system.node, system.network, system.collectives
+    nvlink = node.node_link_bandwidth_Bps * eff.node_efficiency
+    nic = net.nics_per_node * net.nic_bandwidth_Bps / net.oversubscription * eff.network_efficiency \
+        / node.devices_per_node
+    latency = np.where(spread["nodes"] > 1, net.latency_s, node.node_link_latency_s)
+    return np.maximum(nbytes * spread["network"] / nic, nbytes * spread["nvlink"] / nvlink) + latency
+
+
+def flex_received(model: ModelSpec, c: Columns, imbalance=1.0):
+    """Tokens one rank receives from the flex dispatch per micro-batch (a token once a rank,
+    whatever its local experts there): local tokens x the EP ranks a token reaches x etp, as
+    every rank of the group sends as many; the slowest rank `imbalance` times that. Without the
+    node limit (flex_spread's "ranks" has it, which needs the profile's node size): an upper
+    bound where routing_nodes binds (DeepSeek-V3 at EP 64 on 8 nodes: 7.68 ranks a token, 7.36 under it)."""
+    return c.expert_tp * local_tokens(model, c) * imbalance * _kept(model) * \
+        expected_bins_hit(model.experts, model.experts / c.ep, model.topk)
 
 
 # --- parameters ---
@@ -331,6 +414,9 @@ def dispatch_buffer_bytes(model: ModelSpec, c: Columns, element=BF16, imbalance=
     computed = expert_tokens(model, c, imbalance)
     f = model.expert_ffn / c.expert_tp
     alltoall = e * h * (2 * sent + computed) + (2 * e if model.gated_mlp else e) * computed * f
+    if np.any(c.flex):  # flex: the tokens DeepEP delivered and their permuted copies
+        flex = e * h * (flex_received(model, c, imbalance) + computed) + (2 * e if model.gated_mlp else e) * computed * f
+        alltoall = np.where(np.asarray(c.flex) > 0, flex, alltoall)
     gathered = c.expert_tp * c.ep * local_tokens(model, c)  # tokens of the whole ETP x EP group
     allgather = e * h * (gathered + computed) + (2 * e if model.gated_mlp else e) * computed * f
     return np.where(np.asarray(c.allgather) > 0, allgather, alltoall)

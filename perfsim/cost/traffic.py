@@ -92,14 +92,14 @@ def ep_all_to_all_bytes(model: ModelSpec, plan: Plan, element=BF16) -> float:
     """Bytes one rank's all-to-alls send in one MoE layer for one micro-batch in one pass (the
     backward sends as much): the dispatched tokens there and back and their probabilities (an
     element a copy, 1/hidden of the tokens) there, each (ep - 1) / ep of its copies (the rest stay
-    with its own experts); 0 under the all-gather dispatcher."""
-    if plan.moe_dispatcher == "allgather" or not model.moe:
+    with its own experts); 0 under the all-gather and the flex dispatcher (no all-to-all)."""
+    if plan.moe_dispatcher in ("allgather", "flex") or not model.moe:
         return 0.0
     sent = float(experts.alltoall_bytes_sent(model, columns_of(plan), element))  # tokens, one way
     return 2 * sent + sent / model.hidden
 
 
-def _ep_per_layer_pass(model: ModelSpec, plan: Plan, element=BF16) -> float:
+def _ep_per_layer_pass(model: ModelSpec, plan: Plan, element=BF16, system: System | None = None) -> float:
     """Bytes one rank sends in one MoE layer's dispatch and combine for one micro-batch in one pass
     (the forward, or the backward, which runs the reverse collectives on the gradients; docs/equations.md
     12.3), balanced routing. All-to-all dispatcher: the tokens there and back and their probabilities
@@ -108,8 +108,15 @@ def _ep_per_layer_pass(model: ModelSpec, plan: Plan, element=BF16) -> float:
     All-gather dispatcher: over the etp x ep group g, the tokens gathered and the outputs
     reduce-scattered ((g - 1) x T tokens each), the copies' probabilities gathered (an element each;
     their gradients reduce-scattered in backward), and in the forward the chosen experts (int64; no
-    gradient), averaged over the two passes."""
+    gradient), averaged over the two passes. Flex dispatcher (DeepEP, on `system`'s nodes): each
+    token of the rank's T to the other nodes holding its experts and each forwarded copy over
+    NVLink (experts.flex_spread), there and back; DeepEP's per-token top-k indices and weights
+    and source metadata (8 topk + 8 bytes over the network) are left out, 0.5% of a DeepSeek-V3 token."""
     c = columns_of(plan)
+    if plan.moe_dispatcher == "flex":
+        spread = experts.flex_spread(system, model, c)
+        tokens = float(experts.local_tokens(model, c))
+        return 2 * element * model.hidden * tokens * float(spread["network"] + spread["nvlink"])
     h, e = model.hidden, element
     copies = float(experts.dispatched_tokens(model, c))
     etp = float(c.expert_tp)
@@ -119,7 +126,7 @@ def _ep_per_layer_pass(model: ModelSpec, plan: Plan, element=BF16) -> float:
     return ep_all_to_all_bytes(model, plan, element) + (etp - 1) * copies * e * (2 * h + 1)
 
 
-def _ep_sent(model: ModelSpec, plan: Plan, element=BF16) -> float:
+def _ep_sent(model: ModelSpec, plan: Plan, element=BF16, system: System | None = None) -> float:
     """Bytes the whole job's expert-parallel dispatch and combine send in one step: every rank of
     a stage, every MoE layer, every micro-batch, forward and backward, and the forward once more
     under full recomputation (the recomputed forward dispatches again)."""
@@ -127,7 +134,7 @@ def _ep_sent(model: ModelSpec, plan: Plan, element=BF16) -> float:
         return 0.0
     passes = 2 + (plan.recompute == "full")
     ranks = plan.tp * plan.cp * plan.dp
-    return ranks * model.moe_layers * plan.microbatches * passes * _ep_per_layer_pass(model, plan, element)
+    return ranks * model.moe_layers * plan.microbatches * passes * _ep_per_layer_pass(model, plan, element, system)
 
 
 def expert_dp_sent_by_kind(system: System, plan: Plan, expert_params: float, element=BF16) -> dict:
@@ -165,7 +172,7 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "
     dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, held[p] - routed[p], e).values())
                                            + sum(expert_dp_sent_by_kind(system, plan, routed[p], e).values())
                                            for p in stages)
-    ep = _ep_sent(model, plan, e)
+    ep = _ep_sent(model, plan, e, system)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
         pp += plan.tp * plan.cp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)

@@ -29,9 +29,9 @@ GATED_ACTIVATIONS = ("silu", "swish")
 
 # The fields perfsim reads: those hf_fields maps, and those that do not change what perfsim prices
 # (metadata, token ids, initialisation, norm epsilon, rotary base and scaling: the rotation costs the
-# same; the cache; routing's loss and scaling terms and DeepSeek's node-limited groups: routing is
-# priced from experts and topk, its balance from the profile's moe.imbalance, its dispatch by the
-# plan; the checkpoint's dtype and quantisation: a training run's dtype is --dtype; GPT-OSS's clamp
+# same; the cache; routing's loss and scaling terms: routing is priced from experts and topk (and
+# DeepSeek's n_group and topk_group as routing_nodes: _node_limit), its balance from the profile's
+# moe.imbalance, its dispatch by the plan; the checkpoint's dtype and quantisation: a training run's dtype is --dtype; GPT-OSS's clamp
 # of its SwiGLU; DeepSeek-V3's multi-token-prediction layers, which a plan's pp_layout places).
 _KNOWN = {
     "architectures", "model_type", "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype",
@@ -185,8 +185,27 @@ def _experts(config: dict, family: str, where: str, layers: int) -> dict:
         width = _int(config, "moe_intermediate_size", where)
         return {"experts": _int(config, "n_routed_experts", where), "topk": _int(config, "num_experts_per_tok", where),
                 "expert_ffn": width, "shared_expert_ffn": _int(config, "n_shared_experts", where, 0) * width,
-                "dense_layers": min(_int(config, "first_k_dense_replace", where, 0), layers)}
+                "dense_layers": min(_int(config, "first_k_dense_replace", where, 0), layers),
+                **_node_limit(config, where)}
     return {}
+
+
+def _node_limit(config: dict, where: str) -> dict:
+    """routing_nodes of DeepSeek's group-limited routing: the experts in n_group groups, each
+    token's topk from its best topk_group groups. Megatron-Core runs it as node-limited routing
+    with the groups laid on the EP group's nodes (moe_router_num_groups = its nodes, as DeepSeek-V3's
+    8 groups on EP 64's 8 nodes); perfsim keeps that: at most topk_group nodes a token, whatever the
+    plan's node count (docs/equations.md 12.3). None where topk_group leaves every group open."""
+    groups, chosen = _int(config, "n_group", where, 1), _int(config, "topk_group", where, 0)
+    if groups < 1 or not 0 <= chosen:
+        raise PerfsimError(f"{where}: n_group {groups} and topk_group {chosen} must be positive")
+    if not chosen or chosen >= groups:
+        return {}
+    experts, topk = _int(config, "n_routed_experts", where), _int(config, "num_experts_per_tok", where)
+    if experts % groups or topk > chosen * (experts // groups):
+        raise PerfsimError(f"{where}: n_group {groups} must divide n_routed_experts {experts}, and topk_group {chosen} "
+                           f"groups hold num_experts_per_tok {topk}")
+    return {"routing_nodes": chosen}
 
 
 def _latent(config: dict, where: str) -> dict:

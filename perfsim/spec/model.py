@@ -63,6 +63,9 @@ class ModelSpec:
     shared_expert_ffn: int = 0
     dense_layers: int = 0
     capacity_factor: float = 0.0  # tokens an expert takes, over its fair share; 0 = dropless
+    # node-limited routing (DeepSeek-V3): each token's routed experts lie on at most this many nodes
+    # of its expert-parallel group (the router's groups laid on the group's nodes); 0 = unlimited
+    routing_nodes: int = 0
 
     def __post_init__(self):  # a spec built directly with gated_mlp = True is a SwiGLU model
         if self.gated_mlp and self.activation == "gelu":
@@ -118,7 +121,7 @@ class ModelSpec:
 
 _INT_FIELDS = ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "vocab_divisor", "head_dim",
                "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim", "window", "window_every",
-               "experts", "topk", "expert_ffn", "shared_expert_ffn", "dense_layers")
+               "experts", "topk", "expert_ffn", "shared_expert_ffn", "dense_layers", "routing_nodes")
 _FLOAT_FIELDS = ("capacity_factor",)
 _STR_FIELDS = ("norm", "name", "activation", "attention_type")
 ACTIVATIONS = ("gelu", "swiglu", "squared-relu")
@@ -186,7 +189,7 @@ def _check_attention(spec: ModelSpec, fields: dict, where: str) -> None:
 
 def _check_experts(spec: ModelSpec, fields: dict, where: str) -> None:
     """A mixture of experts needs its top-k and expert width; a dense model takes none of its keys."""
-    keys = ("topk", "expert_ffn", "shared_expert_ffn", "dense_layers", "capacity_factor")
+    keys = ("topk", "expert_ffn", "shared_expert_ffn", "dense_layers", "capacity_factor", "routing_nodes")
     if not spec.moe:
         given = [key for key in keys if fields.get(key)]
         if given:

@@ -15,7 +15,8 @@ TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "2.5d": ("row", "col", "depth"),
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("unfused", "flash")  # the attention core as two GEMMs and a softmax, or one fused kernel
-MOE_DISPATCHERS = ("alltoall", "allgather")  # Megatron-Core's --moe-token-dispatcher-type (flex/DeepEP not modelled)
+# Megatron-Core's --moe-token-dispatcher-type; flex as with its DeepEP backend (one copy a node, forwarded over NVLink)
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 DIMENSIONS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"  # Megatron: tensor innermost, then data, then pipeline outermost
 ORDERS = tuple("-".join(p) for p in itertools.permutations(DIMENSIONS))  # every rank order, DEFAULT_ORDER first
@@ -60,7 +61,7 @@ class Plan:
     # run on etp x ep x expert-dp x pp over the ranks attention runs on as tp x cp x dp x pp
     ep: int = 1  # expert parallelism: ranks sharing a layer's routed experts (each holds experts / ep)
     etp: int = 0  # tensor parallelism inside each expert; 0: the attention's tp (Megatron-Core's default)
-    moe_dispatcher: str = "alltoall"  # how tokens reach their experts: "alltoall" or "allgather"
+    moe_dispatcher: str = "alltoall"  # how tokens reach their experts: "alltoall", "allgather" or "flex"
     # Megatron-Core's --overlap-moe-expert-parallel-comm (Megatron-Bridge's moe_a2a_overlap): one
     # micro-batch's all-to-alls beside another's compute, forward and backward merged
     ep_overlap: bool = False
@@ -255,9 +256,9 @@ def expert_parallel_problems(plan: Plan, model: ModelSpec) -> list[str]:
             return [f"{name} {value} is implausibly large (at most {LARGEST_SIZE})"]
     if not isinstance(plan.ep_overlap, (bool, np.bool_)):
         return [f"ep_overlap must be true or false, got {plan.ep_overlap!r}"]
-    if plan.ep_overlap and (plan.ep < 2 or plan.moe_dispatcher != "alltoall"):
-        reasons.append("ep_overlap (--ep-overlap) overlaps the all-to-all dispatcher's all-to-alls: it needs --ep 2 "
-                       "or more and --moe-dispatcher alltoall")
+    if plan.ep_overlap and (plan.ep < 2 or plan.moe_dispatcher == "allgather"):
+        reasons.append("ep_overlap (--ep-overlap) overlaps the dispatch's all-to-alls: it needs --ep 2 "
+                       "or more and --moe-dispatcher alltoall or flex")
     if plan.moe_dispatcher not in MOE_DISPATCHERS:
         reasons.append(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {plan.moe_dispatcher!r}")
     if not model.moe:
@@ -277,6 +278,8 @@ def expert_parallel_problems(plan: Plan, model: ModelSpec) -> list[str]:
         reasons.append(f"ep {ep} must divide the {model.experts} experts")
     if model.expert_ffn % etp:
         reasons.append(f"etp {etp} must divide the expert FFN width {model.expert_ffn}")
+    if plan.moe_dispatcher == "flex" and etp * ep < 2:
+        reasons.append("--moe-dispatcher flex (DeepEP) needs etp x ep of 2 or more, as Megatron-Core asserts")
     ranks = plan.tp * plan.cp * plan.dp
     if ranks % (etp * ep):
         reasons.append(f"etp x ep = {etp} x {ep} must divide the {ranks} ranks of a pipeline stage (tp x cp x dp = "

@@ -84,11 +84,13 @@ PRESETS: dict[str, dict] = {
     # DeepSeek-V3 (DeepSeek-AI, arXiv 2412.19437, section 4.2, and deepseek-ai/DeepSeek-V3's
     # config.json): latent attention, 3 dense layers of 18432 then 58 of 256 routed experts (top 8)
     # and one shared expert of 2048. Its multi-token-prediction module (num_nextn_predict_layers 1,
-    # 14B more parameters) is out of scope; node-limited routing (topk_group) is a dispatch matter.
+    # 14B more parameters) is out of scope. Node-limited routing (section 2.1.2): the 256 experts in
+    # 8 groups (n_group), each token's 8 from the best 4 groups (topk_group), the groups laid on the
+    # 8 nodes of its EP 64: routing_nodes 4.
     "deepseek-v3": {**_MODERN, "vocab": 129280, "layers": 61, "hidden": 7168, "heads": 128, "ffn": 18432,
                     "attention_type": "mla", "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_dim": 128,
                     "qk_rope_dim": 64, "v_head_dim": 128, "experts": 256, "topk": 8, "expert_ffn": 2048,
-                    "shared_expert_ffn": 2048, "dense_layers": 3},
+                    "shared_expert_ffn": 2048, "dense_layers": 3, "routing_nodes": 4},
     # Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088, Table 1, and mistralai/Mixtral-8x7B-v0.1's
     # config.json): every layer 8 experts of 14336, top 2; no sliding window (sliding_window null).
     "mixtral-8x7b": {**_MODERN, "vocab": 32000, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,

@@ -145,7 +145,7 @@ class Family:
         c = self.columns
         cols = {f: getattr(c, f) for f in ("tp", "tp_depth", "sp", "regather", "pp", "dp", "schedule", "vpp", "mbs",
                                            "cp", "first_layers", "last_layers", "zero", "recompute", "flash", "gbs",
-                                           "dp_overlap", "tp_overlap", "ep", "etp", "allgather", "ep_overlap")}
+                                           "dp_overlap", "tp_overlap", "ep", "etp", "allgather", "flex", "ep_overlap")}
         return plan_at(self.mode, str(self.orders[i]), cols, i)
 
 
