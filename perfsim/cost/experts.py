@@ -98,9 +98,21 @@ def stage_group_stride(c: Columns, step, size):
 
 
 def moe_share(model: ModelSpec) -> float:
-    """Share of the layers that are MoE layers (the rest are the first dense_layers): perfsim
-    prices every layer of a stage as this mix of the two kinds (docs/equations.md 12.6)."""
+    """Share of the model's layers that are MoE layers (the rest are the first dense_layers)."""
     return model.moe_layers / model.layers if model.moe else 0.0
+
+
+def stage_share(model: ModelSpec, c: Columns, position: str):
+    """Share of the MoE layers among the decoder layers of the position's stage: the first
+    dense_layers lie on the stages that hold them (pipeline.dense_count; docs/equations.md 12.6),
+    so a stage's memory and reductions are those of its own mix. moe_share where the model has no
+    dense layers (1) or the stage no decoder layer."""
+    from perfsim.cost import pipeline
+
+    if not (model.moe and model.dense_layers):
+        return moe_share(model)
+    n = pipeline.layer_count(model, c, position)
+    return np.where(n > 0, (n - pipeline.dense_count(model, c, position)) / np.maximum(n, 1), moe_share(model))
 
 
 # --- tokens ---
@@ -339,16 +351,16 @@ def dense_layer_params_per_rank(model: ModelSpec, c: Columns):
     return (sum(pieces.values()) - replicated) / c.tp + replicated
 
 
-def layer_params_per_rank(model: ModelSpec, c: Columns) -> tuple:
+def layer_params_per_rank(model: ModelSpec, c: Columns, share=None) -> tuple:
     """(parameters of an average layer on one rank reduced over dp x cp, those reduced over the
-    expert-data-parallel group): the mix moe_share of MoE and dense layers."""
-    share = moe_share(model)
+    expert-data-parallel group): the mix `share` (default moe_share) of MoE and dense layers."""
+    share = moe_share(model) if share is None else share
     other, experts = moe_layer_params_per_rank(model, c)
-    dense = dense_layer_params_per_rank(model, c) if share < 1 else 0.0
+    dense = dense_layer_params_per_rank(model, c) if np.any(share < 1) else 0.0
     return share * other + (1 - share) * dense, share * experts
 
 
-def expert_linear_weights_per_rank(model: ModelSpec, c: Columns):
+def expert_linear_weights_per_rank(model: ModelSpec, c: Columns, share=None):
     """Weight elements of an average layer's MoE GEMMs (routed and shared experts; FP8 copies are
     kept of them) one rank holds, less those of the dense MLP fp8.weight_copy_bytes counts for
     every layer: what FP8 training's copies change by in a MoE model."""
@@ -356,7 +368,7 @@ def expert_linear_weights_per_rank(model: ModelSpec, c: Columns):
     dense_mlp = h * (3 if model.gated_mlp else 2) * model.ffn_size / c.tp
     shared = h * (3 if model.gated_mlp else 2) * model.shared_expert_ffn / c.tp
     routed = model.experts * h * (3 if model.gated_mlp else 2) * model.expert_ffn / (c.ep * c.expert_tp)
-    return moe_share(model) * (routed + shared - dense_mlp)
+    return (moe_share(model) if share is None else share) * (routed + shared - dense_mlp)
 
 
 # --- memory ---
@@ -393,14 +405,15 @@ def dense_mlp_saved_bytes(model: ModelSpec, c: Columns, element=BF16, fp8=0):
     return (2 * e if model.gated_mlp else e) * tokens * model.ffn_size / t + linear * tokens * model.ffn_size / t
 
 
-def layer_saved_delta(model: ModelSpec, c: Columns, element=BF16, fp8=0, imbalance=1.0, kept=True):
+def layer_saved_delta(model: ModelSpec, c: Columns, element=BF16, fp8=0, imbalance=1.0, kept=True, share=None):
     """What an average layer of the model keeps beyond perfsim's dense layer: moe_share x (the MoE
     block's saved bytes less the dense MLP's), 0 under full recomputation (a layer keeps its
     input alone) and for a dense model; `kept` False: what one layer rebuilds in a fully
-    recomputed backward (the same bytes, for that layer alone)."""
+    recomputed backward (the same bytes, for that layer alone). `share`: a stage's MoE share
+    (stage_share) in place of the model's."""
     if not model.moe:
         return 0.0
-    delta = moe_share(model) * (saved_activation_bytes(model, c, element, fp8, imbalance)
+    delta = (moe_share(model) if share is None else share) * (saved_activation_bytes(model, c, element, fp8, imbalance)
                                 - dense_mlp_saved_bytes(model, c, element, fp8))
     return np.where(c.recompute == FULL, 0.0, delta) if kept else np.where(c.recompute == FULL, delta, 0.0)
 
@@ -542,12 +555,12 @@ def tp_comm_share(model: ModelSpec, c: Columns):
 
 
 # --- what a stage holds and reduces ---
-def stage_expert_params(model: ModelSpec, c: Columns, layers):
+def stage_expert_params(model: ModelSpec, c: Columns, layers, share=None):
     """Routed-expert parameters one rank of a stage of `layers` layers holds (reduced and sharded
-    over the expert-data-parallel group, not over dp x cp)."""
+    over the expert-data-parallel group, not over dp x cp); `share` its MoE share (stage_share)."""
     if not model.moe:
         return 0.0
-    return layers * layer_params_per_rank(model, c)[1]
+    return layers * layer_params_per_rank(model, c, share)[1]
 
 
 def expert_reduction_times(system, comm, c: Columns, expert_params) -> tuple:
@@ -572,7 +585,7 @@ def optimizer_params(c: Columns, params, expert_params):
     return np.where(c.zero >= 1, params - expert_params + expert_params * c.dp_cp / edp, params)
 
 
-def expert_weight_cast_time(model: ModelSpec, system, c: Columns, layers):
+def expert_weight_cast_time(model: ModelSpec, system, c: Columns, layers, share=None):
     """Seconds FP8 training spends once a step casting a stage's expert weights (in place of the
     dense MLP's fp8.weight_cast_time counts) to FP8 after the optimizer step: a streaming pass of
     FP8_CAST_BYTES a weight element (0 unless c.fp8 and the model is a mixture of experts)."""
@@ -581,5 +594,5 @@ def expert_weight_cast_time(model: ModelSpec, system, c: Columns, layers):
     if not model.moe:
         return 0.0
     dev = system.device
-    elements = layers * expert_linear_weights_per_rank(model, c)
+    elements = layers * expert_linear_weights_per_rank(model, c, share)
     return c.fp8 * FP8_CAST_BYTES * elements / (dev.memory_bandwidth_Bps * dev.memory_efficiency)

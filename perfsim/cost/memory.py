@@ -165,8 +165,8 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
         per_layer = sum(pieces.values()) / shard
         position = emb["position"] / shard
         final_norm = counts.norm_params(model) / shard
-    if model.moe:  # the routed experts split etp x ep ways (cost/experts.py, docs/equations.md 12.5)
-        per_layer = sum(experts.layer_params_per_rank(model, c))
+    if model.moe:  # the routed experts split etp x ep ways, dense layers where they lie (cost/experts.py, 12.5-12.6)
+        per_layer = sum(experts.layer_params_per_rank(model, c, experts.stage_share(model, c, stage)))
     mtp = pipeline.mtp_count(c, stage)
     params = per_layer * (stage_layer_count(model, c, stage) + mtp)
     word = model.padded_vocab(t) * h / shard
@@ -200,8 +200,9 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     layers = stage_layer_count(model, c, stage)
     # FP8 copies (or FP8 weights in place of the bf16 ones) and their scaling state
     weights = weights + fp8.weight_copy_bytes(model, c, layers, fw.fp8_param_gather)
+    share = experts.stage_share(model, c, stage)  # the stage's MoE layers (its dense ones apart)
     if model.moe:  # FP8 copies of the experts' weights in place of the dense MLP's
-        moe_linear = layers * experts.expert_linear_weights_per_rank(model, c)
+        moe_linear = layers * experts.expert_linear_weights_per_rank(model, c, share)
         weights = weights + c.fp8 * (fp8.FP8_COPIES * FP8 - (fw.fp8_param_gather or 0) * e) * moe_linear
     grads = fw.grad_bytes_per_param * params / np.where(c.zero >= 2, dp, 1)
     # Gradients freed after every step (zero_grad(set_to_none=True)) and no buffer of their own (no
@@ -209,7 +210,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     # starts, the peak (7.4)
     grads = np.where(bool(fw.grads_set_to_none) & (c.microbatches == 1) & (p == 1) & (dp == 1), 0.0, grads)
     # the routed experts' states shard over the expert-data-parallel group (cost/experts.py)
-    expert_params = experts.stage_expert_params(model, c, stage_layer_count(model, c, stage))
+    expert_params = experts.stage_expert_params(model, c, stage_layer_count(model, c, stage), share)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * experts.optimizer_params(c, params, expert_params) / np.where(c.zero >= 1, dp, 1)
     first = np.asarray(pipeline.embedding_count(c, stage)) > 0  # the stage holds the embedding
     last = np.asarray(pipeline.loss_count(c, stage)) > 0  # and the head and the loss
@@ -223,7 +224,7 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     autocast = fw.autocast
     imbalance = experts.moe_imbalance(system, model)
     per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
-                 + ring_saved_bytes(model, c, e) + experts.layer_saved_delta(model, c, e, c.fp8, imbalance))
+                 + ring_saved_bytes(model, c, e) + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, share=share))
     in_flight = microbatches_in_flight(c, stage=pipeline.stage_index(c, stage))
     region = layout.region_split
     activations, masks, mtp_heads = layer_activations(model, c, stage, per_layer,
@@ -232,7 +233,9 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
     rebuilt = np.where(c.recompute == FULL, whole, 0)
     rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
-    rebuilt = rebuilt + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False)
+    # one layer rebuilt at a time: a MoE layer's where the stage has one
+    rebuilt = rebuilt + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False,
+                                                  share=np.where(share > 0, 1.0, 0.0) if model.dense_layers else None)
     activations = activations + rebuilt + masks  # and the embedding's dropout masks
     vocab = model.padded_vocab(t)
     # final norm input (fp32 under autocast), the logits GEMM input and the fp32 softmax the loss keeps
@@ -247,8 +250,8 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     gathered = np.where(np.asarray(c.fp8) > 0, FP8, e) * np.where(np.asarray(c.tp_overlap) > 0, 0, 1)
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), gathered * s * b * h, 0)
     buffers = buffers + ring_attention_buffer_bytes(model, c)
-    if model.moe:  # one MoE layer's dispatch at a time (cost/experts.py)
-        buffers = buffers + experts.dispatch_buffer_bytes(model, c, e, imbalance)
+    if model.moe:  # one MoE layer's dispatch at a time (cost/experts.py), on a stage that has one
+        buffers = buffers + np.where(share > 0, experts.dispatch_buffer_bytes(model, c, e, imbalance), 0.0)
     # selective recomputation's attention core, rebuilt for one layer's backward (7.5)
     core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast, c.fp8)
     buffers = buffers + np.where(c.recompute == SELECTIVE, core, 0)

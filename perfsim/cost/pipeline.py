@@ -106,6 +106,55 @@ def chunk_layers(model, c, pos: str) -> list:
     return {"first": [edge] + [q] * (v - 1), "middle": [n // v] * v, "last": [q] * (v - 1) + [edge]}[pos]
 
 
+def dense_count(model, c, pos: str):
+    """Dense-FFN layers (a mixture of experts' first dense_layers) on a device of the position's
+    stage; 0 for a model without them (docs/equations.md 12.6). The layers run in virtual-stage
+    order, chunk 0 of every stage and then chunk 1 (Megatron-Core's), so the dense ones fill the
+    first stage's chunk 0 first. "middle" stands for the last middle stage, the one with the
+    fewest: the pp - 2 middle stages are priced alike, as the heavier (all-MoE) ones."""
+    if not (model.moe and model.dense_layers):
+        return 0
+    return sum(_dense_by_chunk(model, c, pos))
+
+
+def chunk_dense(model, c, pos: str) -> list:
+    """Dense-FFN layers of each chunk of the position's stage, chunk 0 first (one plan)."""
+    if not (model.moe and model.dense_layers):
+        return [0] * len(chunk_layers(model, c, pos))
+    return [int(x) for x in _dense_by_chunk(model, c, pos)]
+
+
+def _dense_by_chunk(model, c, pos: str) -> list:
+    """The first model.dense_layers layers on each chunk of the position's stage, walking the
+    virtual stages in order; numpy arrays over a search's plans without a layout."""
+    d = model.dense_layers
+    if c.layout is not None:
+        p, i, start, out = c.layout.pp, _rank(pos), 0, []
+        for k in range(p * c.layout.vpp):  # virtual stage k is chunk k // p of rank k % p
+            n = c.layout.chunk(k % p, k // p).layers
+            if k % p == i:
+                out.append(min(max(d - start, 0), n))
+            start += n
+        return out
+    first, mid, last = (layer_count(model, c, name) for name in FAMILY)
+    p, v = c.pp, c.vpp
+    q_first, q_last, chunk_mid = -(-first // v), -(-last // v), mid / v
+    between = np.maximum(p - 2, 0)  # middle stages
+    start, out = 0.0, []
+    for r in range(int(np.max(v))):
+        on = r < v
+        f = np.where(r == 0, first - (v - 1) * q_first, q_first) * on  # the first stage's chunk r
+        m = chunk_mid * on * (between > 0)
+        last_r = np.where(r == v - 1, last - (v - 1) * q_last, q_last) * on
+        at = {"first": (start, f), "middle": (start + f + np.maximum(between - 1, 0) * m, m),
+              "last": (start + f + between * m, last_r)}[pos]
+        out.append(np.clip(d - at[0], 0, at[1]))
+        start = start + f + between * m + last_r
+    if pos == "first":  # one stage holds every layer
+        out[0] = np.where(p == 1, min(d, model.layers), out[0])
+    return out
+
+
 def chunk_edges(c, pos: str) -> list:
     """(embedding, loss, MTP layers) of each chunk of the position's stage (one plan): the
     embedding on chunk 0 of the first stage, the loss on the last chunk of the last."""

@@ -89,8 +89,6 @@ class StageCosts:
 
 def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float) -> StageCosts:
     dev, comm = system.device, TopologyCommModel(system)
-    # what overlapped communication hides (overlap.py), less the SMs its kernels hold (contention.py)
-    eta_tp, eta_cp = contention.overlap_efficiency(system, "tp"), contention.overlap_efficiency(system, "cp")
     # the SM clock of a multi-GPU job against the kernel rates' (clocks.py)
     clock = clocks.clock_ratio(system, c)
     # a context-parallel rank's work is that of mbs/cp whole sequences (its s/cp tokens of each, and
@@ -99,7 +97,72 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     strides = c.strides
     layout = tpc.layout_of(model, c)
     tp_time = lambda coll: tpc.collectives_time(comm, layout, coll, strides["tp"])  # noqa: E731
+    autocast = system.framework.autocast
 
+    # a mixture of experts with dense layers: a MoE layer (`middle`) and a dense one, mixed on each
+    # stage as it holds them (pipeline.dense_count; docs/equations.md 12.6)
+    dense = None
+    if model.moe and model.dense_layers:
+        middle, host, recompute_host = _layer_time(replace(model, dense_layers=0), system, c, peak_flops, comm, layout,
+                                                   tp_time, clock)
+        dense = _layer_time(dense_variant(model), system, c, peak_flops, comm, layout, tp_time, clock)
+    else:
+        middle, host, recompute_host = _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
+
+    # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
+    # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
+    # group), 1/P in the other modes, whose activations are always split.
+    activation = c.element * b * model.seq * model.hidden
+    regather = np.where((c.tp_mode == "1d") & (layout.region_split == 1),
+                        comm.all_gather(activation, t, strides["tp"]), 0.0)
+    hop = comm.send(activation / t, p, strides["pp"]) + regather
+    middle.pp_comm = np.where(p > 1, 2 * c.vpp * hop, 0.0)
+
+    emb = embedding_work(model, dev, b, layout.region_split, c.element)
+    emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b, c.element)
+    vocab = model.padded_vocab(t)
+    head = clocks.clocked_work(clock, dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
+                               head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
+    head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
+    layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
+    loop = system.framework.microbatch_overhead_s
+    edges = (emb, tp_time(emb_fwd), tp_time(emb_bwd)), (head, tp_time(head_fwd), tp_time(head_bwd))
+    found = {}
+    for name in pipeline.positions(c):
+        # a stage's layers (an MTP layer is one, with a head of its own), the loop, the embedding and the heads it holds
+        layers = stage_layer_count(model, c, name) + pipeline.mtp_count(c, name)
+        host_layers, layer_host, layer_recompute_host = layers, host, recompute_host
+        if dense is None:
+            stage = _with_loop(_times(layer_stage, layers), loop)
+        else:  # its dense layers and its MoE layers (an MTP layer is a MoE layer)
+            d = pipeline.dense_count(model, c, name)
+            stage = _with_loop(_sum(_times(layer_stage, layers - d), _times(dense[0], d)), loop)
+            host_layers, layer_host = 1, (layers - d) * host + d * dense[1]
+            layer_recompute_host = (layers - d) * recompute_host + d * dense[2]
+        stage = _plus(stage, *edges[0], pipeline.embedding_count(c, name))
+        stage = _plus(stage, *edges[1], pipeline.head_count(c, name))
+        params = stage_params(model, c, name)
+        stage = _plus_compute(stage, gradient_accumulation_time(system, c, params))
+        # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
+        stage = _host_beside_device(stage, host_layers, layer_host, layer_recompute_host, loop,
+                                    system.framework.host_overlap)
+        stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
+                                                  stage.backward, zero3_units(model, c, name), layers)
+        found[name] = (stage, params)
+    # first, middle and last as the fields name them (a layout's stage 0, 1 and pp - 1; one stage: all three)
+    p = int(c.layout.pp) if c.layout is not None else 3
+    first, middle, last = (found[pipeline.position_of(c, i) if c.layout is not None else name]
+                           for i, name in ((0, "first"), (min(1, p - 1), "middle"), (p - 1, "last")))
+    return StageCosts(first[0], middle[0], last[0], first[1], last[1], by_position=found,
+                      parts=(layer_stage, *edges, loop, dense[0] if dense else None))
+
+
+def _layer_time(model: ModelSpec, system: System, c: Columns, peak_flops: float, comm, layout, tp_time, clock) -> tuple:
+    """(StageTime of one average layer of `model` per micro-batch, pipeline transfers apart; its
+    host seconds; the host seconds recomputation adds to it)."""
+    dev = system.device
+    eta_tp, eta_cp = contention.overlap_efficiency(system, "tp"), contention.overlap_efficiency(system, "cp")
+    b, strides = c.mbs / c.cp, c.strides
     gemms = tpc.layer_gemms(layout, model, b, c.cp)
     autocast = system.framework.autocast
     layer = clocks.clocked_work(clock, dev, peak_flops, gemms,
@@ -153,45 +216,14 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     # (host time is measured: no curve)
     kernels = n * (layer.time_s + layer.backward_s) + middle.recompute - n * recompute_host
     middle.curve = layer.curve_s / (layer.time_s + layer.backward_s) * kernels
+    return middle, host, recompute_host
 
-    # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
-    # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
-    # group), 1/P in the other modes, whose activations are always split.
-    activation = c.element * b * model.seq * model.hidden
-    regather = np.where((c.tp_mode == "1d") & (layout.region_split == 1),
-                        comm.all_gather(activation, t, strides["tp"]), 0.0)
-    hop = comm.send(activation / t, p, strides["pp"]) + regather
-    middle.pp_comm = np.where(p > 1, 2 * c.vpp * hop, 0.0)
 
-    emb = embedding_work(model, dev, b, layout.region_split, c.element)
-    emb_fwd, emb_bwd = tpc.embedding_collectives(layout, model, b, c.element)
-    vocab = model.padded_vocab(t)
-    head = clocks.clocked_work(clock, dev, peak_flops, [tpc.head_gemm(layout, model, b, vocab)],
-                               head_memory_ops(model, b, layout.split, layout.region_split, vocab, c.element, autocast))
-    head_fwd, head_bwd = tpc.head_collectives(layout, model, b, vocab, c.element)
-    layer_stage = middle  # one layer; a stage's pipeline transfers do not grow with its layers
-    loop = system.framework.microbatch_overhead_s
-    edges = (emb, tp_time(emb_fwd), tp_time(emb_bwd)), (head, tp_time(head_fwd), tp_time(head_bwd))
-    found = {}
-    for name in pipeline.positions(c):
-        # a stage's layers (an MTP layer is one, with a head of its own), the loop, the embedding and the heads it holds
-        layers = stage_layer_count(model, c, name) + pipeline.mtp_count(c, name)
-        stage = _with_loop(_times(layer_stage, layers), loop)
-        stage = _plus(stage, *edges[0], pipeline.embedding_count(c, name))
-        stage = _plus(stage, *edges[1], pipeline.head_count(c, name))
-        params = stage_params(model, c, name)
-        stage = _plus_compute(stage, gradient_accumulation_time(system, c, params))
-        # with host_overlap only the host time the device's work does not cover shows (cost/host.py)
-        stage = _host_beside_device(stage, layers, host, recompute_host, loop, system.framework.host_overlap)
-        stage.dp_comm = microbatch_reduction_time(system, comm, c, params, stage.compute + stage.recompute,
-                                                  stage.backward, zero3_units(model, c, name), layers)
-        found[name] = (stage, params)
-    # first, middle and last as the fields name them (a layout's stage 0, 1 and pp - 1; one stage: all three)
-    p = int(c.layout.pp) if c.layout is not None else 3
-    first, middle, last = (found[pipeline.position_of(c, i) if c.layout is not None else name]
-                           for i, name in ((0, "first"), (min(1, p - 1), "middle"), (p - 1, "last")))
-    return StageCosts(first[0], middle[0], last[0], first[1], last[1], by_position=found,
-                      parts=(layer_stage, *edges, loop))
+def dense_variant(model: ModelSpec) -> ModelSpec:
+    """`model`'s dense layer as a model of such layers alone (its experts' keys cleared): a MoE
+    model's first dense_layers keep the dense FFN of `ffn` columns."""
+    return replace(model, experts=0, topk=0, expert_ffn=0, shared_expert_ffn=0, dense_layers=0,
+                               capacity_factor=0.0, routing_nodes=0)
 
 
 def chunk_times(model: ModelSpec, c: Columns, costs: StageCosts, position: str) -> list:
@@ -200,11 +232,14 @@ def chunk_times(model: ModelSpec, c: Columns, costs: StageCosts, position: str) 
     loss's head on the chunks holding them, 1/v of the loop's time and of the stage's sends. What
     depends on the stage as a whole (the host time the device hides, gradient accumulation,
     data-parallel waits) is not in them: they give the chunks' shares of the stage's time."""
-    layer_stage, embedding, head, loop = costs.parts
+    layer_stage, embedding, head, loop, dense = costs.parts
     v = len(pipeline.chunk_layers(model, c, position))
     out = []
-    for layers, (e, loss, mtp) in zip(pipeline.chunk_layers(model, c, position), pipeline.chunk_edges(c, position)):
-        chunk = replace(_with_loop(_times(layer_stage, layers + mtp), loop / v), pp_comm=layer_stage.pp_comm / v)
+    for layers, d, (e, loss, mtp) in zip(pipeline.chunk_layers(model, c, position),
+                                         pipeline.chunk_dense(model, c, position), pipeline.chunk_edges(c, position)):
+        body = _times(layer_stage, layers + mtp) if dense is None else \
+            _sum(_times(layer_stage, layers + mtp - d), _times(dense, d))  # a chunk's dense layers and MoE layers
+        chunk = replace(_with_loop(body, loop / v), pp_comm=layer_stage.pp_comm / v)
         out.append(_plus(_plus(chunk, *embedding, e), *head, loss + mtp))
     return out
 
@@ -269,6 +304,11 @@ def _times(stage: StageTime, layers) -> StageTime:
     """`stage`, the time of one layer, for `layers` layers (its pipeline transfers once)."""
     return StageTime(**{f.name: getattr(stage, f.name) * (1 if f.name in ("pp_comm", "dp_comm") else layers)
                         for f in fields(StageTime)})
+
+
+def _sum(a: StageTime, b: StageTime) -> StageTime:
+    """Two StageTimes field by field (b's pipeline transfers 0: a stage sends once)."""
+    return StageTime(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(StageTime)})
 
 
 def _with_loop(stage: StageTime, seconds) -> StageTime:

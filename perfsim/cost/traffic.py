@@ -166,7 +166,8 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "
     cp = plan.dp * m * _cp_per_microbatch(model, plan, e)
     c = columns_of(plan)
     held = {pos: float(stage_params(model, c, pos)) for pos in pipeline.positions(c)}
-    routed = {pos: float(experts.stage_expert_params(model, c, stage_layer_count(model, c, pos))) if model.moe else 0.0
+    routed = {pos: float(experts.stage_expert_params(model, c, stage_layer_count(model, c, pos),
+                                                     experts.stage_share(model, c, pos))) if model.moe else 0.0
               for pos in held}
     stages = [pipeline.position_of(c, i) for i in range(plan.pp)]
     dp = plan.tp * plan.cp * plan.dp * sum(sum(dp_sent_by_kind(system, plan, held[p] - routed[p], e).values())

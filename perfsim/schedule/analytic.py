@@ -70,7 +70,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     units = heaviest(lambda s: zero3_units(model, c, s))
     # a MoE model's routed experts reduce over the expert-data-parallel group (cost/experts.py)
-    expert_params = heaviest(lambda s: experts.stage_expert_params(model, c, stage_layer_count(model, c, s)))
+    expert_params = heaviest(lambda s: experts.stage_expert_params(model, c, stage_layer_count(model, c, s),
+                                                                   experts.stage_share(model, c, s)))
     reduction, gather = step_reduction_time(system, comm, c, params - expert_params, units)
     if model.moe:
         expert_reduction, expert_gather = experts.expert_reduction_times(system, comm, c, expert_params)
@@ -92,7 +93,8 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["optimizer"] = optimizer_time(system, c, experts.optimizer_params(c, params, expert_params)) \
         + grad_buffer_pass_time(system, params) \
         + weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s))) \
-        + experts.expert_weight_cast_time(model, system, c, heaviest(lambda s: stage_layer_count(model, c, s)))
+        + heaviest(lambda s: experts.expert_weight_cast_time(model, system, c, stage_layer_count(model, c, s),
+                                                              experts.stage_share(model, c, s)))
     breakdown["other"] = shown_step_overhead(system, breakdown["optimizer"]) + 0.0 * pipeline
     # what the job waits for its slowest rank at the optimizer step, every group's wait nested in
     # it (cost/synchrony.py; docs/equations.md 9.5)

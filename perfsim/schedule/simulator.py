@@ -237,7 +237,8 @@ def _lay_out(costs: StepCosts, model: ModelSpec, c: Columns, stages: StageCosts)
     an uneven split with interleaving (cost/pipeline.py)."""
     if c.layout is not None:
         costs.positions = [f"stage {i}" for i in range(costs.p)]
-    uneven = c.layout is not None or (costs.v > 1 and (float(c.first_layers) or float(c.last_layers)))
+    uneven = c.layout is not None or (costs.v > 1 and (float(c.first_layers) or float(c.last_layers)
+                                                        or (model.moe and model.dense_layers)))  # dense layers' chunks
     if not uneven or stages.parts is None:
         return
     for pos in dict.fromkeys(costs.position(i) for i in range(costs.p)):
