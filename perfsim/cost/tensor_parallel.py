@@ -356,3 +356,31 @@ def collectives_time(comm, layout: Layout, collectives: list, tp_stride):
 
 def collectives_sent_bytes(layout: Layout, collectives: list):
     return sum(x.count * sent_bytes(x.kind, x.nbytes, layout.axes[x.axis][0]) for x in collectives)
+
+
+# Weights 1d tensor parallelism keeps whole on every rank while SP feeds each rank its own tokens:
+# latent attention's down projections (Megatron-Core's MLASelfAttention builds linear_q_down_proj
+# and linear_kv_down_proj as TELinear with parallel_mode "duplicated", which marks their weights
+# sequence_parallel) and the latents' norms. Each rank's gradient is its tokens' part, summed over
+# the TP group once a step (finalize_model_grads: _allreduce_non_tensor_model_parallel_grads).
+TP_REPLICATED_GRADS = ("q_down", "q_norm", "kv_down", "kv_norm")
+
+
+def replicated_grad_params(model: ModelSpec, c):
+    """Parameters of one layer whose gradients the TP group all-reduces once a step (docs/equations.md
+    4.2): latent attention's down projections and their norms under 1d TP with SP (tp > 1); 0
+    otherwise (without SP every rank sees every token: their gradients agree). The layer's input
+    and post-attention norms, SP norms summed in the same call, are left out (as for every model)."""
+    from perfsim.cost.counts import layer_params
+
+    if not model.mla:
+        return 0.0
+    replicated = sum(layer_params(model).get(k, 0) for k in TP_REPLICATED_GRADS)
+    return np.where((c.tp_mode == "1d") & (c.tp > 1) & (np.asarray(c.sp) > 0), replicated, 0.0)
+
+
+def replicated_grad_time(system, comm, c, params):
+    """Seconds of the TP all-reduce of `params` replicated parameters' gradients (the profile's
+    grad_bytes_per_param each: the fp32 main gradients), once a step; 0 without them."""
+    grads = system.framework.grad_bytes_per_param * params
+    return np.where(params > 0, comm.all_reduce(grads, c.tp, c.strides["tp"]), 0.0)

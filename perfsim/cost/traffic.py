@@ -159,7 +159,8 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "
     """{"tp", "cp", "pp", "dp", "ep", "total"}: bytes the whole job sends in one step, training in
     `dtype` (fp32 sends 4-byte activations and weights where bf16 sends 2). "dp" holds the gradient
     reductions, a model with experts' routed experts over their expert-data-parallel group; "ep" the
-    dispatch and combine."""
+    dispatch and combine; "tp" with latent attention under 1d TP + SP also its down projections'
+    gradients, all-reduced over TP once a step (tensor_parallel.replicated_grad_params)."""
     m, e = plan.microbatches, ELEMENT_BYTES.get(dtype, BF16)
     tp = plan.dp * m * _tp_per_microbatch(model, plan, e)  # every layer once per pipeline
     pp = plan.dp * m * _pp_per_microbatch(model, plan, e)  # linear in the tokens: cp ranks send 1/cp each
@@ -174,6 +175,11 @@ def step_sent_bytes(model: ModelSpec, system: System, plan: Plan, dtype: str = "
                                            + sum(expert_dp_sent_by_kind(system, plan, routed[p], e).values())
                                            for p in stages)
     ep = _ep_sent(model, plan, e, system)
+    if model.mla:  # latent attention's replicated weights: each stage's gradients all-reduced over TP once a step
+        grads = system.framework.grad_bytes_per_param * float(tpc.replicated_grad_params(model, c))
+        tp += plan.tp * plan.cp * plan.dp * sum(
+            tpc.sent_bytes(tpc.ALL_REDUCE, grads * float(stage_layer_count(model, c, s) + pipeline.mtp_count(c, s)), plan.tp)
+            for s in stages)
     if model.tied_embeddings and plan.pp > 1:  # the first and last stage all-reduce the word embedding's gradient
         word = model.padded_vocab(plan.tp) * model.hidden / tpc.weight_shard(plan.tp_mode, plan.tp, plan.tp_depth)
         pp += plan.tp * plan.cp * plan.dp * 2 * tpc.sent_bytes(tpc.ALL_REDUCE, system.framework.grad_bytes_per_param * word, 2)

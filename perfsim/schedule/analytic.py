@@ -29,6 +29,7 @@ from perfsim.cost.grad_passes import grad_buffer_pass_time
 from perfsim.cost.host import shown_step_overhead
 from perfsim.cost.overlap import overlapped_exposure
 from perfsim.cost.stage import StageCosts
+from perfsim.cost.tensor_parallel import replicated_grad_params, replicated_grad_time
 from perfsim.cost.synchrony import synchrony_time
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System
@@ -87,6 +88,11 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
 
     # Tied embeddings: the first and last stage all-reduce the word-embedding gradient.
     breakdown["pp_comm"] = breakdown["pp_comm"] + tied_embedding_time(model, system, comm, c)
+    # latent attention under 1d TP + SP: each stage all-reduces its down projections' gradients over
+    # TP (their weights are whole on every rank); the step waits for the slowest stage's
+    if model.mla:
+        breakdown["tp_comm"] = breakdown["tp_comm"] + functools.reduce(np.maximum, [
+            np.where(count > 0, replicated_stage_grad_time(model, system, comm, c, pos), 0.0) for pos, _, _, count in rows])
 
     # the optimizer step, the passes over the gradient buffer before it (grad_passes.py), and in
     # FP8 the cast of the updated weights it is followed by
@@ -101,6 +107,15 @@ def step_time(model: ModelSpec, system: System, c: Columns, stages: StageCosts) 
     breakdown["synchrony"] = synchrony_time(system, c, sum(breakdown[k] for k in BREAKDOWN_KEYS if k != "synchrony"))
     total = sum(breakdown[k] for k in BREAKDOWN_KEYS)
     return total, {k: breakdown[k] for k in BREAKDOWN_KEYS}
+
+
+def replicated_stage_grad_time(model: ModelSpec, system: System, comm, c: Columns, position: str):
+    """Seconds the position's stage all-reduces its layers' replicated gradients over TP once a step
+    (its decoder and MTP layers; tensor_parallel.replicated_grad_params)."""
+    from perfsim.cost.pipeline import mtp_count
+
+    layers = stage_layer_count(model, c, position) + mtp_count(c, position)
+    return replicated_grad_time(system, comm, c, layers * replicated_grad_params(model, c))
 
 
 def _first_at(keys: list, best, values: list):

@@ -42,7 +42,7 @@ from perfsim.cost.synchrony import expected_max_normal, rank_jitter, synchronise
 from perfsim.cost.topology import TopologyCommModel, nic_of
 from perfsim.errors import PerfsimError
 from perfsim.schedule import engine
-from perfsim.schedule.analytic import BREAKDOWN_KEYS
+from perfsim.schedule.analytic import BREAKDOWN_KEYS, replicated_stage_grad_time
 from perfsim.schedule.orders import SIMULATED_SCHEDULES, B, F, W, stage_order
 from perfsim.spec.model import ModelSpec
 from perfsim.spec.system import System, for_dtype
@@ -104,6 +104,9 @@ class StepCosts:
     zero_block_b: dict = field(default_factory=dict)
     post_gather: dict = field(default_factory=dict)        # ZeRO-1/2 weights after the step
     optimizer: dict = field(default_factory=dict)
+    # latent attention under 1d TP + SP: the down projections' gradients all-reduced over TP after
+    # the last backward, per position (analytic.replicated_stage_grad_time)
+    replicated_grads: dict = field(default_factory=dict)
     tied_s: float = 0.0
     overhead_s: float = 0.0
     recompute_full: bool = False
@@ -182,6 +185,7 @@ def step_costs(model: ModelSpec, system: System, c: Columns, stages: StageCosts,
         dp=dp, zero=zero, dp_overlap=o, overlap_efficiency=eta, recompute_full=int(c.recompute) == 2,
         overhead_s=float(shown_step_overhead(system, max(optimizer.values()))),
         tied_s=f(tied_embedding_time(model, system, comm, c)),
+        replicated_grads=per(lambda k: replicated_stage_grad_time(model, system, comm, c, k)) if model.mla else {},
         optimizer=optimizer,
         synchrony=f(rank_jitter(system) * expected_max_normal(synchronised_ranks(c))),
     )
@@ -548,7 +552,8 @@ def _blocker(builder: _Builder, i: int) -> int:
 
 
 def _finish(builder: _Builder, costs: StepCosts) -> None:
-    """After the last pass: the rest of the gradient reduction, the tied-embedding all-reduce, a
+    """After the last pass: the rest of the gradient reduction, latent attention's replicated
+    gradients all-reduced over TP (MLA under 1d TP + SP), the tied-embedding all-reduce, a
     step-wide synchronisation (the gradient-norm all-reduce of clipping, timed as free but for the
     wait for the slowest rank, set after the run: _wait_for_slowest_rank), the optimizer step, the
     ZeRO-1/2 weight all-gather, and the framework's per-step overhead."""
@@ -561,6 +566,9 @@ def _finish(builder: _Builder, costs: StepCosts) -> None:
         if rest > 0:
             builder.task(i, ((DP, rest),), ("reduce",), deps=(builder._main_last[i],), links=links,
                          cls=DP_TRAFFIC, stream="side")
+        replicated = costs.replicated_grads.get(pos, 0.0)
+        if replicated > 0:  # on the compute stream, after the data-parallel reduction (finalize_model_grads)
+            builder.task(i, ((TP, replicated),), ("replicated-gradient all-reduce",), deps=(builder._side_last[i],))
         done.append((builder._main_last[i], builder._side_last[i]))
     last = [builder._main_last[i] for i in range(p)]
     if costs.tied_s > 0 and p > 1:
