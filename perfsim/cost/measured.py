@@ -88,14 +88,29 @@ def unique_rows(coordinates: list) -> tuple:
     columns = [a.ravel() for a in arrays]
     if columns[0].size == 1:
         return np.log2(np.stack(columns, axis=1)), np.zeros(1, int), shape
-    # each column's distinct values, their codes joined into one whole-number key a row: sorting
-    # whole numbers is far quicker than np.unique(axis=0)'s sort of rows (same rows, same answer)
-    key = np.zeros(columns[0].size, np.int64)
+    first, inverse = distinct_rows([c for given, c in zip(coordinates, columns) if np.size(given) > 1],
+                                   columns[0].size)
+    # the log2 of the distinct rows alone: equal coordinates have equal logs
+    return np.log2(np.stack([column[first] for column in columns], axis=1)), inverse.ravel(), shape
+
+
+KEY_LIMIT = 1 << 40  # distinct keys distinct_rows lets the joined codes reach before it renumbers them
+
+
+def distinct_rows(columns: list, n: int) -> tuple:
+    """(a row of each distinct row, each row's index among them) of `n`-long 1-d columns, the
+    distinct rows in sorted order: np.unique(axis=0)'s return_index and return_inverse. Each
+    column's distinct values, their codes joined into one whole-number key a row: sorting whole
+    numbers is far quicker than np.unique(axis=0)'s sort of rows (same rows, same answer)."""
+    key = np.zeros(n, np.int64)
     keys = 1  # how many keys the codes can make
-    for given, column in zip(coordinates, columns):
-        if np.size(given) == 1 or column.min() == column.max():  # one value (a GEMM's k, a batch's count)
+    for column in columns:
+        if column.min() == column.max():  # one value (a GEMM's k, a batch's count)
             continue
         values, codes = _distinct_codes(column)
+        if keys * len(values) > KEY_LIMIT:  # many columns: renumber the keys so far densely, in order
+            _, key = np.unique(key, return_inverse=True)
+            keys = int(key.max()) + 1
         key = key * len(values) + codes
         keys *= len(values)
     if keys > len(key):
@@ -107,8 +122,7 @@ def unique_rows(coordinates: list) -> tuple:
         at = np.empty(keys, np.intp)
         at[key] = np.arange(len(key))
         first, inverse = at[present], (np.cumsum(present) - 1)[key]
-    # the log2 of the distinct rows alone: equal coordinates have equal logs
-    return np.log2(np.stack([column[first] for column in columns], axis=1)), inverse.ravel(), shape
+    return first, inverse
 
 
 def _distinct_codes(column: np.ndarray) -> tuple:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from perfsim.cost import clocks, contention, experts, pipeline
+from perfsim.cost import clocks, contention, experts, measured, pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.attention_dropout import fused_dropout_work
 from perfsim.cost.topology import TopologyCommModel
-from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, rows_of, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import gradient_accumulation_time, microbatch_reduction_time, zero3_units
 from perfsim.cost.host import layer_host_overhead, recompute_host_overhead, shown_share
@@ -103,11 +103,12 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
     # stage as it holds them (pipeline.dense_count; docs/equations.md 12.6)
     dense = None
     if model.moe and model.dense_layers:
-        middle, host, recompute_host = _layer_time(replace(model, dense_layers=0), system, c, peak_flops, comm, layout,
-                                                   tp_time, clock)
-        dense = _layer_time(dense_variant(model), system, c, peak_flops, comm, layout, tp_time, clock)
+        middle, host, recompute_host = _layer_time_once_each(replace(model, dense_layers=0), system, c, peak_flops,
+                                                             comm, layout, tp_time, clock)
+        dense = _layer_time_once_each(dense_variant(model), system, c, peak_flops, comm, layout, tp_time, clock)
     else:
-        middle, host, recompute_host = _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
+        middle, host, recompute_host = _layer_time_once_each(model, system, c, peak_flops, comm, layout, tp_time,
+                                                             clock)
 
     # Pipeline neighbours exchange the device's share of [b, s, h]: 1/t in 1d (scatter/gather
     # optimisation, or already split with SP; without SP the receiver all-gathers it in its TP
@@ -155,6 +156,49 @@ def stage_costs(model: ModelSpec, system: System, c: Columns, peak_flops: float)
                            for i, name in ((0, "first"), (min(1, p - 1), "middle"), (p - 1, "last")))
     return StageCosts(first[0], middle[0], last[0], first[1], last[1], by_position=found,
                       parts=(layer_stage, *edges, loop, dense[0] if dense else None))
+
+
+# Columns one layer's time per micro-batch does not read. A search's batch repeats each layer over
+# them (pipeline sizes and splits, schedules, ZeRO stages), so each distinct layer is priced once;
+# they are None in the distinct rows, so that a layer cost coming to read one fails loudly.
+NOT_LAYER_FIELDS = ("pp", "vpp", "schedule", "zero", "first_layers", "last_layers", "gbs", "dp_overlap")
+
+
+def _layer_time_once_each(model: ModelSpec, system: System, c: Columns, peak_flops, comm, layout, tp_time,
+                          clock) -> tuple:
+    """_layer_time of a batch `c`, each distinct layer priced once (its rows alike in every column
+    but NOT_LAYER_FIELDS, the rank strides and the clock) and spread back over the rows: the same
+    numbers, element by element. Plans as numbers, a pipeline layout, or a system whose numbers are
+    arrays over draws (aligned with the rows) are priced as they come."""
+    rows = np.shape(c.tp)
+    if len(rows) != 1 or c.layout is not None or np.ndim(peak_flops) or _drawn(system):
+        return _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
+    names = [f.name for f in fields(c) if isinstance(getattr(c, f.name), np.ndarray) and f.name not in NOT_LAYER_FIELDS]
+    if any(np.shape(getattr(c, n)) != rows for n in names):
+        return _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
+    keyed = [getattr(c, n) for n in names] + [np.broadcast_to(c.strides[d], rows) for d in ("tp", "cp", "dp", "pp")] \
+        + ([np.broadcast_to(clock, rows)] if np.ndim(clock) else [])
+    first, inverse = measured.distinct_rows([np.asarray(k, float) for k in keyed], rows[0])
+    u = replace(rows_of(c, first), **{n: None for n in NOT_LAYER_FIELDS})
+    layout = tpc.layout_of(model, u)
+    times = _layer_time(model, system, u, peak_flops, comm, layout,
+                        lambda coll: tpc.collectives_time(comm, layout, coll, u.strides["tp"]),
+                        clock[first] if np.ndim(clock) else clock)
+    spread = lambda x: x[inverse] if np.ndim(x) else x  # noqa: E731
+    layer, host, recompute_host = times
+    return (StageTime(**{f.name: spread(getattr(layer, f.name)) for f in fields(StageTime)}),
+            spread(host), spread(recompute_host))
+
+
+def _drawn(system: System) -> bool:
+    """Whether any of the system's numbers is an array (over draws of its ranges: perfsim.uncertainty)."""
+    def arrays(value):
+        return isinstance(value, np.ndarray) or (isinstance(value, tuple) and any(arrays(v) for v in value))
+
+    return any(arrays(getattr(section, f.name))
+               for section in (system.device, system.node, system.network, system.collectives, system.framework,
+                               system.moe)
+               for f in fields(section))
 
 
 def _layer_time(model: ModelSpec, system: System, c: Columns, peak_flops: float, comm, layout, tp_time, clock) -> tuple:

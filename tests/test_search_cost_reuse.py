@@ -1,0 +1,41 @@
+"""The search prices a batch's distinct layers once and spreads them over its rows
+(cost/stage.py, _layer_time_once_each): the numbers are those of pricing every row, bit for bit."""
+
+import numpy as np
+import pytest
+
+import perfsim
+from perfsim.cost import stage
+from perfsim.predict import evaluate
+from perfsim.search import PlanSpace, parse_fixes, to_columns
+
+
+def _flat(result: dict) -> dict:
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            out |= {f"{key}.{k}": v for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def _batches(model, system, devices, gbs, fixes, dtype="bf16"):
+    space = PlanSpace(model, devices, gbs, parse_fixes(fixes))
+    return [(to_columns(mode, order, cols), dtype) for mode, order, cols in space.valid()]
+
+
+@pytest.mark.parametrize("model, system, devices, gbs, fixes, dtype", [
+    ("qwen3-30b-a3b", "dgx-h100", 16, 256, ["tp=1,2", "mbs=1,2"], "fp8"),
+    ("deepseek-v3", "dgx-h100", 256, 1024, ["tp=2", "mbs=1", "cp=1", "ep=8,64"], "bf16"),  # dense layers too
+    ("gpt3-13b", "smng-p2", 64, 128, ["mbs=1,2", "order=tp-dp-pp,dp-pp-tp"], "bf16"),
+])
+def test_distinct_layers_priced_once_give_every_rows_numbers(monkeypatch, model, system, devices, gbs, fixes, dtype):
+    model, system = perfsim.load_model(model), perfsim.load_system(system)
+    batches = _batches(model, system, devices, gbs, fixes, dtype)
+    once = [_flat(evaluate(model, system, c, d)) for c, d in batches]
+    monkeypatch.setattr(stage, "_drawn", lambda system: True)  # every row priced as it comes
+    every = [_flat(evaluate(model, system, c, d)) for c, d in batches]
+    for a, b in zip(once, every):
+        for key in b:
+            assert np.array_equal(np.asarray(a[key]), np.asarray(b[key])), key
