@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfsim.cost import counts
-from perfsim.cost.columns import FULL, SELECTIVE, Columns, at_dtype, columns_of
+from perfsim.cost.columns import FULL, SELECTIVE, Columns, at_dtype, columns_of, rows_of
 from perfsim.cost.memory import peak_memory
 from perfsim.cost.stage import stage_costs
 from perfsim.errors import PerfsimError
@@ -83,15 +83,31 @@ def peak_flops(system: System, dtype: str) -> float:
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "total")
 
 
-def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") -> dict:
+def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16", fitting_only: bool = False) -> dict:
     """Every number of a prediction for the plans in `c` (numbers or numpy arrays): the one
-    computation behind both `predict` and the search. Plans must be valid."""
+    computation behind both `predict` and the search. Plans must be valid. `fitting_only`: time
+    only the plans of a batch that fit in device memory (memory is the cheaper half of the cost
+    and most of a search's plans do not fit); the others' time numbers are NaN (all but the first
+    where none fits)."""
     peak = peak_flops(system, dtype)
     c = at_dtype(c, dtype)
     system = for_dtype(system, dtype)
-    costs = stage_costs(model, system, c, peak)
-    step, breakdown = step_time(model, system, c, costs)
     memory = peak_memory(model, system, c)
+    fits = memory["total"] <= system.device.memory_bytes
+    timed = None
+    if fitting_only and np.ndim(fits) == 1 and np.ndim(c.tp) == 1 and not fits.all():
+        timed = np.flatnonzero(fits) if fits.any() else np.arange(1)  # one row at least: every key has its numbers
+    if timed is None:
+        costs = stage_costs(model, system, c, peak)
+        step, breakdown = step_time(model, system, c, costs)
+        share = extrapolated_share(costs, c.pp, c.layout)
+    else:
+        some = rows_of(c, timed)
+        costs = stage_costs(model, system, some, peak)
+        step, breakdown = step_time(model, system, some, costs)
+        share = extrapolated_share(costs, some.pp, some.layout)
+        step, share = _at_rows(step, timed, len(fits)), _at_rows(share, timed, len(fits))
+        breakdown = {k: _at_rows(v, timed, len(fits)) for k, v in breakdown.items()}
     recompute = np.where(c.recompute == FULL, counts.recompute_flops_per_sample(model, "full"),
                          np.where(c.recompute == SELECTIVE, counts.recompute_flops_per_sample(model, "selective"), 0.0))
     recompute = recompute + c.flash * counts.flash_recompute_flops_per_sample(model)
@@ -107,9 +123,15 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16") 
         "megatron_ds_tflops_per_device": ds_flops / per_device / 1e12,
         "mfu": model_flops / per_device / peak, "hfu": (model_flops + c.gbs * recompute) / per_device / peak,
         "time_breakdown_s": breakdown, "memory_bytes": {k: memory[k] for k in MEMORY_KEYS},
-        "memory_peak_stage": memory["stage"], "fits": memory["total"] <= system.device.memory_bytes,
-        "peak_flops": peak, "compute_extrapolated_share": extrapolated_share(costs, c.pp, c.layout),
+        "memory_peak_stage": memory["stage"], "fits": fits, "peak_flops": peak, "compute_extrapolated_share": share,
     }
+
+
+def _at_rows(values, rows, n: int) -> np.ndarray:
+    """`values` of the rows `rows` of n as an array of n, NaN elsewhere."""
+    out = np.full(n, np.nan)
+    out[rows] = values
+    return out
 
 
 def extrapolated_share(costs, pp, layout=None):

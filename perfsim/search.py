@@ -424,11 +424,12 @@ class PlanSpace:
                     index = valid[chunk: chunk + BATCH]
                     yield m.mode, order, {k: v[index] for k, v in m.cols.items()}
 
-    def batches(self, system: System, dtype: str = "bf16"):
-        """Every valid plan evaluated on `system`, a Batch at a time."""
+    def batches(self, system: System, dtype: str = "bf16", fitting_only: bool = False):
+        """Every valid plan evaluated on `system`, a Batch at a time; `fitting_only`: the time of
+        those that fit in memory alone (predict.evaluate)."""
         for mode, order, cols in self.valid():
             columns = to_columns(mode, order, cols)
-            yield Batch(mode, order, cols, columns, evaluate(self.model, system, columns, dtype))
+            yield Batch(mode, order, cols, columns, evaluate(self.model, system, columns, dtype, fitting_only))
 
 
 @dataclass
@@ -529,7 +530,7 @@ def search(model: ModelSpec, system: System, devices: int, gbs: int, fixes: dict
     kept = []  # (score, mode, order, cols, index, tokens/s, memory) of each batch's best and Pareto points
     space = PlanSpace(model, devices, gbs, fixes)
     rejected = dict(space.rejected)
-    for batch in space.batches(system, dtype):
+    for batch in space.batches(system, dtype, fitting_only=True):  # only plans that fit are ranked
         r, mode, order, sub = batch.result, batch.mode, batch.order, batch.cols
         evaluated += len(sub["tp"])
         fits = np.asarray(r["fits"], dtype=bool)

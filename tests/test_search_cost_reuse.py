@@ -39,3 +39,19 @@ def test_distinct_layers_priced_once_give_every_rows_numbers(monkeypatch, model,
     for a, b in zip(once, every):
         for key in b:
             assert np.array_equal(np.asarray(a[key]), np.asarray(b[key])), key
+
+
+@pytest.mark.parametrize("model, system, devices, gbs, fixes", [
+    ("qwen3-30b-a3b", "dgx-h100", 16, 256, ["tp=1,2", "mbs=1,2"]),
+    ("gpt3-13b", "smng-p2", 64, 128, ["mbs=1,2,4", "recompute=none,full"]),
+])
+def test_fitting_only_times_the_plans_that_fit_as_the_whole_batch_does(model, system, devices, gbs, fixes):
+    model, system = perfsim.load_model(model), perfsim.load_system(system)
+    for c, dtype in _batches(model, system, devices, gbs, fixes):
+        whole, some = _flat(evaluate(model, system, c, dtype)), _flat(evaluate(model, system, c, dtype, fitting_only=True))
+        fits = whole["fits"]
+        assert 0 < fits.sum() < len(fits) or fits.all()
+        for key in whole:
+            a, b = (np.broadcast_to(x, fits.shape) for x in (whole[key], some[key]))
+            assert np.array_equal(a[fits], b[fits]), key
+            assert fits.all() or key.split(".")[0] not in ("step_time_s", "time_breakdown_s") or np.isnan(b[~fits]).all()
