@@ -1,11 +1,12 @@
-"""The search prices a batch's distinct layers once and spreads them over its rows
-(cost/stage.py, _layer_time_once_each): the numbers are those of pricing every row, bit for bit."""
+"""The search prices a batch's distinct layers once and spreads them over its rows (the layer's
+time, cost/stage.py; what each stage's memory takes of it, cost/memory.py), and times only the
+plans that fit: the numbers are those of pricing every row, bit for bit."""
 
 import numpy as np
 import pytest
 
 import perfsim
-from perfsim.cost import stage
+from perfsim.cost import columns
 from perfsim.predict import evaluate
 from perfsim.search import PlanSpace, parse_fixes, to_columns
 
@@ -34,7 +35,7 @@ def test_distinct_layers_priced_once_give_every_rows_numbers(monkeypatch, model,
     model, system = perfsim.load_model(model), perfsim.load_system(system)
     batches = _batches(model, system, devices, gbs, fixes, dtype)
     once = [_flat(evaluate(model, system, c, d)) for c, d in batches]
-    monkeypatch.setattr(stage, "_drawn", lambda system: True)  # every row priced as it comes
+    monkeypatch.setattr(columns, "_drawn", lambda system: True)  # every row priced as it comes
     every = [_flat(evaluate(model, system, c, d)) for c, d in batches]
     for a, b in zip(once, every):
         for key in b:

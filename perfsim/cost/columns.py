@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from perfsim.cost import pipeline
+from perfsim.cost import measured, pipeline
 from perfsim.cost.collectives import group_strides
 from perfsim.spec.layout import parse_layout
 from perfsim.spec.plan import RECOMPUTE, SCHEDULES, Plan, ranks_order
@@ -158,3 +158,32 @@ def rows_of(c: Columns, index) -> Columns:
     return replace(c, **{name: getattr(c, name)[index] for name in _array_fields(c)},
                    order_strides={dim: np.broadcast_to(c.strides[dim], np.shape(c.tp))[index]
                                   for dim in ("tp", "cp", "dp", "pp")})
+
+
+def distinct_rows_of(c: Columns, unread: tuple, extra: list = (), system=None) -> tuple | None:
+    """(the distinct rows of a batch `c` as Columns, a row of `c` of each, each row's index among
+    them): rows alike in every array field but `unread` and in the `extra` arrays (one value a
+    row) are one. A search's batch repeats, say, each layer over the pipeline knobs, so what
+    reads none of them is priced once a distinct row and spread back (x[index]), the same numbers
+    element by element. The `unread` fields are None in the distinct rows: code that comes to
+    read one fails loudly. None where `c` is not a batch of equal 1-d rows, or where `system`'s
+    numbers are arrays (draws of its ranges, perfsim.uncertainty: one a row, so alike rows differ)."""
+    rows = np.shape(c.tp)
+    names = [n for n in _array_fields(c) if n not in unread]
+    if len(rows) != 1 or c.layout is not None or any(np.shape(getattr(c, n)) != rows for n in names) \
+            or (system is not None and _drawn(system)):
+        return None
+    keys = [np.asarray(getattr(c, n), float) for n in names] + [np.asarray(x, float) for x in extra]
+    first, inverse = measured.distinct_rows(keys, rows[0])
+    return replace(rows_of(c, first), **{n: None for n in unread}), first, inverse
+
+
+def _drawn(system) -> bool:
+    """Whether any of the system's numbers is an array."""
+    def arrays(value):
+        return isinstance(value, np.ndarray) or (isinstance(value, tuple) and any(arrays(v) for v in value))
+
+    return any(arrays(getattr(section, f.name))
+               for section in (system.device, system.node, system.network, system.collectives, system.framework,
+                               system.moe)
+               for f in fields(section))

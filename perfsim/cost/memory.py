@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from perfsim.cost import counts, experts, fp8, pipeline, stack_memory
-from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, stage_layer_count
+from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, distinct_rows_of, stage_layer_count
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP8, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
@@ -179,11 +179,12 @@ def stage_params(model: ModelSpec, c: Columns, stage: str):
 
 
 def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: bool = False, second: bool = False,
-                     position: str | None = None) -> dict:
+                     position: str | None = None, layer: dict | None = None) -> dict:
     """Bytes by kind on one device of the first (or last) stage; `second`: the second stage, the
     middle stage with the most micro-batches in flight (1F1B: pp - 1), which an uneven split may
     give more layers than the first (docs/equations.md 9.4); `position`: any stage position
-    (cost/pipeline.py: "first", "middle" for the second stage, "last", a layout's "stage i")."""
+    (cost/pipeline.py: "first", "middle" for the second stage, "last", a layout's "stage i");
+    `layer`: layer_bytes(model, system, c), where the caller has it."""
     # A context-parallel rank holds s/cp tokens of each of mbs sequences: the tokens of mbs/cp whole
     # sequences, and (causal load balancing) their attention scores too, so every per-token tensor
     # below is that of b = mbs/cp; ZeRO shards over the dp-cp group (docs/equations.md 11.6).
@@ -220,27 +221,26 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     weights = weights + e * padding
     grads = grads + fw.grad_bytes_per_param * padding
 
-    layout = layout_of(model, c)
+    layer = layer_bytes(model, system, c) if layer is None else layer
     autocast = fw.autocast
     imbalance = experts.moe_imbalance(system, model)
-    per_layer = (layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8)
-                 + ring_saved_bytes(model, c, e) + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, share=share))
+    moe_kept, moe_rebuilt = layer["moe_kept"], layer["moe_rebuilt"]
+    if model.moe and model.dense_layers:  # the stage's own mix of MoE and dense layers
+        moe_kept = experts.layer_saved_delta(model, c, e, c.fp8, imbalance, share=share)
+        moe_rebuilt = experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False,
+                                                share=np.where(share > 0, 1.0, 0.0))
+    per_layer = layer["kept"] + moe_kept
     in_flight = microbatches_in_flight(c, stage=pipeline.stage_index(c, stage))
-    region = layout.region_split
+    region = layer["region"]
     activations, masks, mtp_heads = layer_activations(model, c, stage, per_layer,
                                                       s * b * h / region if model.dropout else 0.0, in_flight)
-    # Full recomputation rebuilds one layer's activations at a time during backward.
-    whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
-    rebuilt = np.where(c.recompute == FULL, whole, 0)
-    rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
     # one layer rebuilt at a time: a MoE layer's where the stage has one
-    rebuilt = rebuilt + experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False,
-                                                  share=np.where(share > 0, 1.0, 0.0) if model.dense_layers else None)
+    rebuilt = layer["rebuilt"] + moe_rebuilt
     activations = activations + rebuilt + masks  # and the embedding's dropout masks
     vocab = model.padded_vocab(t)
     # final norm input (fp32 under autocast), the logits GEMM input and the fp32 softmax the loss keeps
     norm_input = (FP32 if autocast else e) * s * b * h / region
-    head = norm_input + e * s * b * h / layout.split * np.where(layout.mode == "1d", t, 1) + FP32 * s * b * vocab / t
+    head = norm_input + e * s * b * h / layer["split"] * np.where(c.tp_mode == "1d", t, 1) + FP32 * s * b * vocab / t
     activations = activations + np.where(last, head * np.where(c.schedule == GPIPE, c.microbatches, 1), 0)
     activations = activations + mtp_heads * head  # the MTP layers' heads (layouts), as their chunks keep them
 
@@ -249,12 +249,11 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     # its GEMM runs; with userbuffers (tp_overlap) it is gathered into one of them instead (7.5)
     gathered = np.where(np.asarray(c.fp8) > 0, FP8, e) * np.where(np.asarray(c.tp_overlap) > 0, 0, 1)
     buffers = buffers + np.where((region > 1) & (c.tp_mode == "1d"), gathered * s * b * h, 0)
-    buffers = buffers + ring_attention_buffer_bytes(model, c)
+    buffers = buffers + layer["ring_buffers"]
     if model.moe:  # one MoE layer's dispatch at a time (cost/experts.py), on a stage that has one
-        buffers = buffers + np.where(share > 0, experts.dispatch_buffer_bytes(model, c, e, imbalance), 0.0)
+        buffers = buffers + np.where(share > 0, layer["dispatch"], 0.0)
     # selective recomputation's attention core, rebuilt for one layer's backward (7.5)
-    core = whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast, c.fp8)
-    buffers = buffers + np.where(c.recompute == SELECTIVE, core, 0)
+    buffers = buffers + np.where(c.recompute == SELECTIVE, layer["core"], 0)
     # the logits: alive from the logits GEMM until the loss has its fp32 copy, one micro-batch at a time
     logits = e * s * b * vocab / t
     buffers = buffers + np.where(last, logits, 0)
@@ -293,6 +292,45 @@ def memory_breakdown(model: ModelSpec, system: System, c: Columns, last_stage: b
     total = weights + grads + optimizer + activations + buffers
     return {"weights": weights, "gradients": grads, "optimizer": optimizer,
             "activations": activations, "buffers": buffers, "total": total}
+
+
+# Columns layer_bytes does not read: a search's batch repeats each layer over them, so peak_memory
+# prices each distinct layer once (columns.distinct_rows_of)
+NOT_LAYER_FIELDS = ("pp", "vpp", "schedule", "zero", "first_layers", "last_layers", "gbs", "dp", "dp_overlap",
+                    "tp_overlap", "ep_overlap")
+
+
+def layer_bytes(model: ModelSpec, system: System, c: Columns) -> dict:
+    """What memory_breakdown takes of one layer, whatever its stage: "kept", what the layer keeps
+    for backward (its MoE block's "moe_kept" apart: a model with dense layers has its stage's
+    mix, memory_breakdown's own); "rebuilt", what recomputation rebuilds of one layer at a time
+    (likewise "moe_rebuilt" apart); "core", selective recomputation's attention core;
+    "ring_buffers" and a MoE layer's "dispatch" buffers; the tensor-parallel "split" and "region"."""
+    layout = layout_of(model, c)
+    b, e, autocast = c.mbs / c.cp, c.element, system.framework.autocast
+    imbalance = experts.moe_imbalance(system, model)
+    kept = layout_activation_bytes(model, layout, b, c.recompute, c.flash, e, autocast, c.fp8) + ring_saved_bytes(model, c, e)
+    # Full recomputation rebuilds one layer's activations at a time during backward.
+    whole = layout_activation_bytes(model, layout, b, 0, c.flash, e, autocast, c.fp8)
+    rebuilt = np.where(c.recompute == FULL, whole, 0)
+    rebuilt = rebuilt + np.where(c.recompute != NONE, ring_saved_bytes(model, c, e, kept=False), 0)
+    moe = model.moe and not model.dense_layers
+    return {"kept": kept, "rebuilt": rebuilt,
+            "moe_kept": experts.layer_saved_delta(model, c, e, c.fp8, imbalance) if moe else 0.0,
+            "moe_rebuilt": experts.layer_saved_delta(model, c, e, c.fp8, imbalance, kept=False) if moe else 0.0,
+            "core": whole - layout_activation_bytes(model, layout, b, SELECTIVE, c.flash, e, autocast, c.fp8),
+            "ring_buffers": ring_attention_buffer_bytes(model, c),
+            "dispatch": experts.dispatch_buffer_bytes(model, c, e, imbalance) if model.moe else 0.0,
+            "split": layout.split, "region": layout.region_split}
+
+
+def _layer_bytes_once_each(model: ModelSpec, system: System, c: Columns) -> dict:
+    """layer_bytes of a batch, each distinct layer priced once and spread over the rows."""
+    found = distinct_rows_of(c, NOT_LAYER_FIELDS, system=system)
+    if found is None:
+        return layer_bytes(model, system, c)
+    u, _, inverse = found
+    return {k: v[inverse] if np.ndim(v) else v for k, v in layer_bytes(model, system, u).items()}
 
 
 def layer_activations(model: ModelSpec, c: Columns, stage: str, per_layer, mask, in_flight) -> tuple:
@@ -355,23 +393,24 @@ def allocated_bytes(total, framework):
 def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
     """The stage (first or last; with an uneven split of 3 or more stages also the second; with a
     layout every stage) with the largest total; `stage` says which ("stage i" with a layout)."""
+    layer = _layer_bytes_once_each(model, system, c)  # what every stage takes of a layer
     if c.layout is not None:  # the first stage holding the most (per draw, under uncertainty)
         peak = None
         for i in range(c.layout.pp):
             pos = pipeline.position_of(c, i)
-            mem = memory_breakdown(model, system, c, position=pos)
+            mem = memory_breakdown(model, system, c, position=pos, layer=layer)
             use = True if peak is None else mem["total"] > peak["total"]
             peak = {k: np.where(use, mem[k], peak[k] if peak else 0) for k in mem} | {
                 "stage": np.where(use, pos, peak["stage"] if peak else pos)}
         return peak
-    first = memory_breakdown(model, system, c, last_stage=False)
-    last = memory_breakdown(model, system, c, last_stage=True)
+    first = memory_breakdown(model, system, c, last_stage=False, layer=layer)
+    last = memory_breakdown(model, system, c, last_stage=True, layer=layer)
     use_last = last["total"] > first["total"]
     peak = {k: np.where(use_last, last[k], first[k]) for k in first}
     peak["stage"] = np.where(use_last, "last", "first")
     uneven = (c.pp > 2) & ((c.first_layers > 0) | (c.last_layers > 0))
     if np.any(uneven):
-        second = memory_breakdown(model, system, c, last_stage=False, second=True)
+        second = memory_breakdown(model, system, c, last_stage=False, second=True, layer=layer)
         use_second = uneven & (second["total"] > peak["total"])
         peak = {k: np.where(use_second, second[k], v) for k, v in peak.items() if k != "stage"} | {
             "stage": np.where(use_second, "second", peak["stage"])}

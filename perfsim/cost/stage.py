@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from perfsim.cost import clocks, contention, experts, measured, pipeline
+from perfsim.cost import clocks, contention, experts, pipeline
 from perfsim.cost import tensor_parallel as tpc
 from perfsim.cost.attention_dropout import fused_dropout_work
 from perfsim.cost.topology import TopologyCommModel
-from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, rows_of, stage_layer_count
+from perfsim.cost.columns import FULL, NONE, SELECTIVE, Columns, distinct_rows_of, stage_layer_count
 from perfsim.cost.context_parallel import ring_attention_times
 from perfsim.cost.data_parallel import gradient_accumulation_time, microbatch_reduction_time, zero3_units
 from perfsim.cost.host import layer_host_overhead, recompute_host_overhead, shown_share
@@ -171,15 +171,12 @@ def _layer_time_once_each(model: ModelSpec, system: System, c: Columns, peak_flo
     numbers, element by element. Plans as numbers, a pipeline layout, or a system whose numbers are
     arrays over draws (aligned with the rows) are priced as they come."""
     rows = np.shape(c.tp)
-    if len(rows) != 1 or c.layout is not None or np.ndim(peak_flops) or _drawn(system):
+    found = None if np.ndim(peak_flops) else distinct_rows_of(
+        c, NOT_LAYER_FIELDS, [np.broadcast_to(x, rows) for x in [c.strides[d] for d in ("tp", "cp", "dp", "pp")]
+                              + ([clock] if np.ndim(clock) else [])], system)
+    if found is None:
         return _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
-    names = [f.name for f in fields(c) if isinstance(getattr(c, f.name), np.ndarray) and f.name not in NOT_LAYER_FIELDS]
-    if any(np.shape(getattr(c, n)) != rows for n in names):
-        return _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
-    keyed = [getattr(c, n) for n in names] + [np.broadcast_to(c.strides[d], rows) for d in ("tp", "cp", "dp", "pp")] \
-        + ([np.broadcast_to(clock, rows)] if np.ndim(clock) else [])
-    first, inverse = measured.distinct_rows([np.asarray(k, float) for k in keyed], rows[0])
-    u = replace(rows_of(c, first), **{n: None for n in NOT_LAYER_FIELDS})
+    u, first, inverse = found
     layout = tpc.layout_of(model, u)
     times = _layer_time(model, system, u, peak_flops, comm, layout,
                         lambda coll: tpc.collectives_time(comm, layout, coll, u.strides["tp"]),
@@ -188,17 +185,6 @@ def _layer_time_once_each(model: ModelSpec, system: System, c: Columns, peak_flo
     layer, host, recompute_host = times
     return (StageTime(**{f.name: spread(getattr(layer, f.name)) for f in fields(StageTime)}),
             spread(host), spread(recompute_host))
-
-
-def _drawn(system: System) -> bool:
-    """Whether any of the system's numbers is an array (over draws of its ranges: perfsim.uncertainty)."""
-    def arrays(value):
-        return isinstance(value, np.ndarray) or (isinstance(value, tuple) and any(arrays(v) for v in value))
-
-    return any(arrays(getattr(section, f.name))
-               for section in (system.device, system.node, system.network, system.collectives, system.framework,
-                               system.moe)
-               for f in fields(section))
 
 
 def _layer_time(model: ModelSpec, system: System, c: Columns, peak_flops: float, comm, layout, tp_time, clock) -> tuple:
