@@ -119,14 +119,17 @@ def dense_count(model, c, pos: str):
 
 def chunk_dense(model, c, pos: str) -> list:
     """Dense-FFN layers of each chunk of the position's stage, chunk 0 first (one plan)."""
+    chunks = len(chunk_layers(model, c, pos))
     if not (model.moe and model.dense_layers):
-        return [0] * len(chunk_layers(model, c, pos))
-    return [int(x) for x in _dense_by_chunk(model, c, pos)]
+        return [0] * chunks
+    dense = [int(x) for x in _dense_by_chunk(model, c, pos)]
+    return dense + [0] * (chunks - len(dense))
 
 
 def _dense_by_chunk(model, c, pos: str) -> list:
     """The first model.dense_layers layers on each chunk of the position's stage, walking the
-    virtual stages in order; numpy arrays over a search's plans without a layout."""
+    virtual stages in order; numpy arrays over a search's plans without a layout, the chunks past
+    the last dense layer of every plan left out (they hold none)."""
     d = model.dense_layers
     if c.layout is not None:
         p, i, start, out = c.layout.pp, _rank(pos), 0, []
@@ -142,6 +145,8 @@ def _dense_by_chunk(model, c, pos: str) -> list:
     between = np.maximum(p - 2, 0)  # middle stages
     start, out = 0.0, []
     for r in range(int(np.max(v))):
+        if r and np.all(start >= d):  # the dense layers all lie on earlier virtual stages
+            break
         on = r < v
         f = np.where(r == 0, first - (v - 1) * q_first, q_first) * on  # the first stage's chunk r
         m = chunk_mid * on * (between > 0)
