@@ -88,11 +88,11 @@ def evaluate(model: ModelSpec, system: System, c: Columns, dtype: str = "bf16", 
     computation behind both `predict` and the search. Plans must be valid. `fitting_only`: time
     only the plans of a batch that fit in device memory (memory is the cheaper half of the cost
     and most of a search's plans do not fit); the others' time numbers are NaN (all but the first
-    where none fits)."""
+    where none fits) and their memory numbers may be a lower bound (peak_memory's `capacity`)."""
     peak = peak_flops(system, dtype)
     c = at_dtype(c, dtype)
     system = for_dtype(system, dtype)
-    memory = peak_memory(model, system, c)
+    memory = peak_memory(model, system, c, system.device.memory_bytes if fitting_only else None)
     fits = memory["total"] <= system.device.memory_bytes
     timed = None
     if fitting_only and np.ndim(fits) == 1 and np.ndim(c.tp) == 1 and not fits.all():

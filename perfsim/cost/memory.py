@@ -14,7 +14,8 @@ import functools
 import numpy as np
 
 from perfsim.cost import counts, experts, fp8, pipeline, stack_memory
-from perfsim.cost.columns import FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, distinct_rows_of, stage_layer_count
+from perfsim.cost.columns import (FULL, GPIPE, INTERLEAVED, NONE, SELECTIVE, Columns, distinct_rows_of, rows_of,
+                                  stage_layer_count)
 from perfsim.cost.context_parallel import kv_block_bytes
 from perfsim.cost.layer import BF16, FP8, FP32
 from perfsim.cost.tensor_parallel import layout_of, weight_shard
@@ -390,9 +391,12 @@ def allocated_bytes(total, framework):
     return (total - framework.reserved_memory_bytes) / (1 + framework.allocator_overhead_fraction)
 
 
-def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
+def peak_memory(model: ModelSpec, system: System, c: Columns, capacity=None) -> dict:
     """The stage (first or last; with an uneven split of 3 or more stages also the second; with a
-    layout every stage) with the largest total; `stage` says which ("stage i" with a layout)."""
+    layout every stage) with the largest total; `stage` says which ("stage i" with a layout).
+    `capacity` (bytes, a search's batch): the other stages are priced only for the rows the first
+    leaves within it; a row over it there keeps the first stage's numbers, a lower bound of its
+    peak (it does not fit either way)."""
     layer = _layer_bytes_once_each(model, system, c)  # what every stage takes of a layer
     if c.layout is not None:  # the first stage holding the most (per draw, under uncertainty)
         peak = None
@@ -404,14 +408,32 @@ def peak_memory(model: ModelSpec, system: System, c: Columns) -> dict:
                 "stage": np.where(use, pos, peak["stage"] if peak else pos)}
         return peak
     first = memory_breakdown(model, system, c, last_stage=False, layer=layer)
-    last = memory_breakdown(model, system, c, last_stage=True, layer=layer)
+    rows = None  # the rows still to price: all
+    if capacity is not None and np.ndim(capacity) == 0 and np.ndim(c.tp) == 1 and np.ndim(first["total"]) == 1:
+        rows = np.flatnonzero(first["total"] <= capacity)
+        rows = None if len(rows) == len(first["total"]) else rows
+    last = _breakdown_at(model, system, c, rows, layer, first, last_stage=True)
     use_last = last["total"] > first["total"]
     peak = {k: np.where(use_last, last[k], first[k]) for k in first}
     peak["stage"] = np.where(use_last, "last", "first")
     uneven = (c.pp > 2) & ((c.first_layers > 0) | (c.last_layers > 0))
     if np.any(uneven):
-        second = memory_breakdown(model, system, c, last_stage=False, second=True, layer=layer)
+        second = _breakdown_at(model, system, c, rows, layer, first, second=True)
         use_second = uneven & (second["total"] > peak["total"])
         peak = {k: np.where(use_second, second[k], v) for k, v in peak.items() if k != "stage"} | {
             "stage": np.where(use_second, "second", peak["stage"])}
     return peak
+
+
+def _breakdown_at(model: ModelSpec, system: System, c: Columns, rows, layer: dict, fill: dict, **stage) -> dict:
+    """memory_breakdown of a stage at the rows `rows` of a batch (every row where None), `fill`'s
+    numbers at the others."""
+    if rows is None:
+        return memory_breakdown(model, system, c, layer=layer, **stage)
+    out = {k: np.array(np.broadcast_to(v, np.shape(c.tp)), dtype=float) for k, v in fill.items()}
+    if len(rows):
+        some = memory_breakdown(model, system, rows_of(c, rows), layer={k: v[rows] if np.ndim(v) else v
+                                                                         for k, v in layer.items()}, **stage)
+        for k, v in some.items():
+            out[k][rows] = v
+    return out
