@@ -50,6 +50,10 @@ NOT_RUN = {
     "perfsim validate --device cpu --nproc 4 --model " + EXPERTS_MODEL
     + " --system cpu-calibrated-a2a.toml --ledger v4.jsonl --json":
         "real expert-parallel steps on 4 torch ranks",
+    "perfsim validate --device cpu --nproc 2 --model " + EXPERTS_MODEL
+    + " --system host-ops.toml --ledger host-ops-validation.jsonl --rounds 3":
+        "reads back the ledger the line above copies, against the profile the fit above writes "
+        "(tests/test_validate_ep_steps.py reads the table back that way)",
 }
 # Synopses: written command -> (what runs instead, why). None: not run, only the reason.
 SYNOPSES = {

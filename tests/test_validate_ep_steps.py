@@ -72,3 +72,29 @@ def test_perfsim_validate_times_a_model_with_experts_default_plans(run_cli, tmp_
         assert e["activation_bytes"]["counted"] == pytest.approx(e["activation_bytes"]["predicted"], rel=0.10), e["label"]
         assert e["peak_memory_bytes"]["measured"] == pytest.approx(e["peak_memory_bytes"]["predicted"], rel=0.10), \
             e["label"]
+
+
+def test_the_host_ops_table_reads_back_from_its_ledgers(tmp_path, monkeypatch, capsys):
+    """docs/real-steps-experts.md, "The MoE layer's host time": the committed calibration fitted
+    again and the committed validation read back (nothing measured) give the table's errors."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from perfsim.cli import main
+
+    ledgers = Path(__file__).parent.parent / "hwprofiles" / "ledgers" / "experts-cpu-2026-11" / "host-ops"
+    for name in ("cal.jsonl", "cal-overheads.jsonl"):
+        shutil.copy(ledgers / name, tmp_path / name)
+    shutil.copy(ledgers / "validation-2.jsonl", tmp_path / "v.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--fit", "cal.jsonl", "--system", "cpu-calibrated", "--device", "cpu",
+                 "--out", "host-ops.toml"]) == 0
+    assert "layer overhead 0.75 ms" in capsys.readouterr().out
+    assert main(["validate", "--device", "cpu", "--nproc", "2", "--model", MOE, "--system", "host-ops.toml",
+                 "--ledger", "v.jsonl", "--rounds", "3", "--json"]) == 0
+    rows = {r["label"]: r["step_time_s"] for r in json.loads(capsys.readouterr().out)}
+    errors = {label: round(100 * (t["predicted"] / t["measured"] - 1), 1) for label, t in rows.items()}
+    assert errors == {"dp2 zero0 ep2 rc-none mbs2 m2": 16.3, "dp2 zero0 ep2 allgather rc-none mbs2 m2": 11.3,
+                      "dp2 zero0 ep2 rc-selective mbs2 m2": 16.7, "dp2 zero0 rc-none mbs2 m2": 9.9,
+                      "tp2 1d+sp ep2 etp1 rc-none mbs2 m2": 66.4, "tp2 1d+sp rc-none mbs2 m2": 43.9}
