@@ -20,6 +20,7 @@ only has to be right where nothing was measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -47,13 +48,18 @@ class KernelTable:
     width: float = 0.5
     source: str = ""  # where the points come from (a table's provenance is always "measured")
 
-    @property
+    # cached: a search's batch corrects dozens of kernels by each table (the table is frozen)
+    @cached_property
     def coordinates(self) -> np.ndarray:
         return np.log2(np.array([p[:-1] for p in self.points], float))
 
+    @cached_property
+    def _linear(self) -> tuple:
+        return tuple(np.array([p[i] for p in self.points], float) for i in range(len(self.points[0]) - 1))
+
     def coordinates_linear(self) -> list:
         """The points' coordinates as columns (count, m, n, k or bytes), to price them on the curve."""
-        return [np.array([p[i] for p in self.points], float) for i in range(len(self.points[0]) - 1)]
+        return list(self._linear)
 
     def coordinates_across(self) -> list:
         """coordinates_linear as (points, 1) columns: the curve priced at them by a device whose
@@ -61,7 +67,7 @@ class KernelTable:
         curve per draw, which `correction` takes."""
         return [c[:, None] for c in self.coordinates_linear()]
 
-    @property
+    @cached_property
     def seconds(self) -> np.ndarray:
         return np.array([p[-1] for p in self.points], float)
 
