@@ -56,3 +56,17 @@ def test_fitting_only_times_the_plans_that_fit_as_the_whole_batch_does(model, sy
             a, b = (np.broadcast_to(x, fits.shape) for x in (whole[key], some[key]))
             assert np.array_equal(a[fits], b[fits]), key
             assert fits.all() or key.split(".")[0] not in ("step_time_s", "time_breakdown_s") or np.isnan(b[~fits]).all()
+
+
+def test_rows_are_not_merged_under_a_system_drawn_row_by_row():
+    """Under draws of a profile's ranges (perfsim.uncertainty) a row's numbers are its draw's: rows
+    alike in every column still differ, so nothing is priced once for several of them."""
+    import dataclasses
+
+    model, system = perfsim.load_model("qwen3-30b-a3b"), perfsim.load_system("dgx-h100")
+    c, _ = _batches(model, system, 16, 256, ["tp=1", "mbs=1"])[0]
+    unread = ("pp", "vpp")
+    assert columns.distinct_rows_of(c, unread, system=system) is not None
+    drawn = dataclasses.replace(system, device=dataclasses.replace(
+        system.device, memory_efficiency=np.linspace(0.5, 0.9, len(c.tp))))
+    assert columns.distinct_rows_of(c, unread, system=drawn) is None
