@@ -170,10 +170,11 @@ def _layer_time_once_each(model: ModelSpec, system: System, c: Columns, peak_flo
     but NOT_LAYER_FIELDS, the rank strides and the clock) and spread back over the rows: the same
     numbers, element by element. Plans as numbers, a pipeline layout, or a system whose numbers are
     arrays over draws (aligned with the rows) are priced as they come."""
-    rows = np.shape(c.tp)
-    found = None if np.ndim(peak_flops) else distinct_rows_of(
-        c, NOT_LAYER_FIELDS, [np.broadcast_to(x, rows) for x in [c.strides[d] for d in ("tp", "cp", "dp", "pp")]
-                              + ([clock] if np.ndim(clock) else [])], system)
+    rows, found = np.shape(c.tp), None
+    if len(rows) == 1 and not np.ndim(peak_flops):
+        found = distinct_rows_of(c, NOT_LAYER_FIELDS, [np.broadcast_to(x, rows) for x in
+                                                       [c.strides[d] for d in ("tp", "cp", "dp", "pp")]
+                                                       + ([clock] if np.ndim(clock) else [])], system)
     if found is None:
         return _layer_time(model, system, c, peak_flops, comm, layout, tp_time, clock)
     u, first, inverse = found
