@@ -117,3 +117,24 @@ def test_step_bytes_of_the_ep_default_plans_by_hand():
     assert gathered["ep"] == 2 * 8 * (2 * 64 * 64 * 2 + 128 * 2) + 2 * 4 * 128 * 8
     dense = load_model(MOE.split(",experts=")[0])
     assert step_sent_bytes(dense, system, Plan(dp=2, mbs=2, gbs=8))["ep"] == 0
+
+
+def test_the_probabilities_all_to_all_follows_the_tokens_and_pays_no_step_overhead():
+    """The probabilities' call right after the tokens' (no compute between) pays its link time
+    only: the dispatch is the profile without the step overhead plus that overhead twice, once for
+    each token call; without a step overhead in the profile nothing changes."""
+    model, base = load_model("qwen3-30b-a3b"), load_system("dgx-h100")
+    c = columns_of(Plan(tp=1, pp=2, vpp=12, ep=8, mbs=1, gbs=1024, dp=8))
+    w = 2e-3
+    with_w = experts.dispatch_times(with_all_to_all(base, 0.5, 2.0, w), TopologyCommModel(with_all_to_all(base, 0.5, 2.0, w)),
+                                    model, c)
+    clear_caches()
+    without = experts.dispatch_times(with_all_to_all(base, 0.5, 2.0, 0.0),
+                                     TopologyCommModel(with_all_to_all(base, 0.5, 2.0, 0.0)), model, c)
+    assert with_w == pytest.approx(without + 2 * w, rel=1e-12)
+    comm = TopologyCommModel(with_all_to_all(base, 0.5, 2.0, w))
+    assert experts.chained(comm, comm.all_to_all(1e3, 8, 1), "all_to_all", 8) == pytest.approx(
+        TopologyCommModel(with_all_to_all(base, 0.5, 2.0, 0.0)).all_to_all(1e3, 8, 1), rel=1e-12)
+    assert experts.chained(comm, 0.0, "all_to_all", 1) == 0.0
+    plain = TopologyCommModel(base)
+    assert experts.chained(plain, 1.5, "all_to_all", 8) == 1.5

@@ -235,6 +235,17 @@ def alltoall_bytes_sent(model: ModelSpec, c: Columns, element=BF16, imbalance=1.
     return element * model.hidden * dispatched_tokens(model, c) * imbalance * (c.ep - 1) / c.ep
 
 
+def chained(comm, seconds, op: str, size):
+    """`seconds` of one `op` call over groups of `size` issued right after another collective of
+    the same group with no compute between: without the profile's step overhead for `op` (the wait
+    for the slowest rank and the wake-up after compute that a call after compute pays), the link's
+    time kept (docs/equations.md 12.3)."""
+    factors = getattr(comm, "operation_factors", {}).get(op)
+    if not factors or not factors[2]:
+        return seconds
+    return np.maximum(seconds - np.where(np.asarray(size) > 1, factors[2], 0.0), 0.0)
+
+
 def dispatch_times(system, comm, model: ModelSpec, c: Columns, imbalance=1.0, element=BF16):
     """Seconds of one MoE layer's dispatch and combine in one direction (forward; the backward
     runs the same collectives on the gradients): all-to-all dispatcher: two all-to-alls over EP
@@ -244,8 +255,11 @@ def dispatch_times(system, comm, model: ModelSpec, c: Columns, imbalance=1.0, el
     strides = group_strides(c)
     etp = c.expert_tp
     sent = e * h * dispatched_tokens(model, c) * imbalance  # what the slowest rank receives, sends back
-    # tokens there and back, and the copies' probabilities (an element each) beside them there
-    alltoall = 2 * comm.all_to_all(sent, c.ep, strides["ep"]) + comm.all_to_all(sent / h, c.ep, strides["ep"])
+    # tokens there and back, and the copies' probabilities (an element each) beside them there: that
+    # call follows the tokens' on the same group with no compute between (forward, and its gradient
+    # after theirs backward), so the ranks have met already and it pays no step overhead (12.3)
+    alltoall = (2 * comm.all_to_all(sent, c.ep, strides["ep"])
+                + chained(comm, comm.all_to_all(sent / h, c.ep, strides["ep"]), "all_to_all", c.ep))
     alltoall = alltoall + np.where(etp > 1, comm.all_gather(etp * sent, etp, strides["etp"])
                                    + comm.reduce_scatter(etp * sent, etp, strides["etp"]), 0.0)
     group = etp * c.ep
