@@ -291,28 +291,20 @@ LAYER_VARIANTS = ("", ",activation=swiglu", ",activation=squared-relu,norm=rmsno
 
 def test_the_harness_layer_dispatches_the_ops_perfsim_scales_its_host_time_by():
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from perfsim.cost.columns import columns_of
     from perfsim.cost.host import HARNESS_LAYER_OPS, harness_layer_ops
     from validate.gpt import GPT, GPTConfig
+    from validate.instrument import OpCounter
 
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    def ops(spec, recompute, attention):
+    def ops(spec, recompute, attention):  # in bf16, the dtype the tables are counted in
         torch.manual_seed(0)
         model = GPT(GPTConfig.from_spec(load_model(spec), 1, recompute, attention)).to(torch.bfloat16)
         tokens = torch.randint(0, 256, (1, 16))
         model.loss(tokens, tokens).backward()  # one-off work (the causal mask, built once per shape)
-        Count.n = 0
-        with Count():
+        with OpCounter() as counter:
             model.loss(tokens, tokens).backward()
-        return Count.n
+        return counter.ops
 
     base = "hidden=32,heads=4,seq=16,vocab=256,tied_embeddings=false,dropout=false"
     for attention, counts in HARNESS_LAYER_OPS.items():  # the calibration model's layer

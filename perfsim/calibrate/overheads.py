@@ -139,10 +139,11 @@ def alone_case(nproc: int) -> tuple | None:
 
 # The host model: the calibration model's layer at its smallest shapes, whose kernels are a small part
 # of its time on any device, a CPU core included. On a CPU core the calibration model's layers are
-# mostly kernels (8 ms of a layer's 9 in fp32 on the project VM), so a few percent of kernel error
-# outweighs their host time and the step runs' layer term took it (0 to 5 ms over the transfer
-# ledgers, 0 where a direct timing measured 0.85). Its runs, alone on every rank (no collective to
-# wait at), at HOST_RUNS (layers, micro-batches), give framework.layer_overhead_s (fit_layer_overhead).
+# mostly kernels (a layer took 8.2 ms in fp32 on the project VM, its kernels predicted at 8.85), so
+# a few percent of kernel error outweighs their host time and the step runs' layer term took it
+# (0.1 to 5 ms over the transfer ledgers' profiles, 0 on the VM's calibration of 2026-11-28, whose
+# host runs measured 0.78 ms). Its runs, alone on every rank (no collective to wait at), at
+# HOST_RUNS (layers, micro-batches), give framework.layer_overhead_s (fit_layer_overhead).
 HOST_MODEL = "layers={layers},hidden=32,heads=2,seq=16,vocab=256,tied_embeddings=false,dropout=false"
 HOST_RUNS = ((1, 2), (3, 2))
 HOST_STEPS, QUICK_HOST_STEPS = 10, 3
@@ -289,7 +290,8 @@ def fit_layer_overhead(host_records: list, system) -> tuple | None:
         runs[layers * m] = (t / wait - (1 - trained.framework.host_overlap) * p0.step_time_s, t, p0.step_time_s)
     if len(runs) < 2:
         return None
-    (few, (low, t_low, p_low)), (many, (high, t_high, p_high)) = sorted(runs.items())[0], sorted(runs.items())[-1]
+    ordered = sorted(runs.items())
+    (few, (low, t_low, p_low)), (many, (high, t_high, p_high)) = ordered[0], ordered[-1]
     value = max(0.0, (high - low) / (many - few))
     note = (f"layer overhead {value * 1e3:.3g} ms a layer and micro-batch from the host model's runs alone "
             f"({few} and {many} layers x micro-batches: {t_low * 1e3:.3g} and {t_high * 1e3:.3g} ms measured, "

@@ -19,12 +19,14 @@ from perfsim.cost.columns import FULL, NONE
 
 # Dispatched ATen ops of one layer's forward and backward in eager PyTorch (validate.gpt's GPT layer,
 # one micro-batch of one sequence on one device) with the unfused or the fused (flash) attention
-# core, without, with selective and with full recomputation; counted on torch 2.13's CPU build
-# (tests/test_gpu_step_model.py counts every table here again; at one sequence a micro-batch: at
-# more the unfused attention adds up to 4, not priced). layer_overhead_s is measured on the
-# calibration model's layer (unfused, no recomputation): the host's time per layer scales with the
-# ops the plan's layer dispatches (docs/equations.md 8.2). A fused kernel replaces a chain of ops;
-# recomputation replays the forward's ops, and checkpointing adds its own, in backward.
+# core, without, with selective and with full recomputation; counted in bf16 on torch 2.13's CPU
+# build (tests/test_gpu_step_model.py counts every table here again; at one sequence a micro-batch:
+# at more the unfused attention adds up to 4; in fp32 RMSNorm's casts to fp32 and back are not
+# dispatched, 16/16/20 fewer a layer, and a MoE layer inside the GPT dispatches 4/4/6 fewer: not
+# priced). layer_overhead_s is measured on the calibration model's layer (unfused, no
+# recomputation): the host's time per layer scales with the ops the plan's layer dispatches
+# (docs/equations.md 8.2). A fused kernel replaces a chain of ops; recomputation replays the
+# forward's ops, and checkpointing adds its own, in backward.
 HARNESS_LAYER_OPS = {"unfused": (116, 132, 189), "flash": (93, 100, 156)}
 # What a Llama-shaped layer changes in those counts (none, selective, full); the changes add:
 # its MLP's activation, RMSNorm for LayerNorm, no biases, and validate.gpt.GroupedAttention (rotary
